@@ -1,0 +1,1 @@
+"""Stage 4: traces + predictor -> accuracy report. Not built yet."""

@@ -1,0 +1,1 @@
+"""Stage 2: traces -> popularity, affinity, training examples."""

@@ -1,0 +1,131 @@
+"""Routing statistics from traces: per-layer popularity and consecutive-layer affinity, with counts.
+
+Shape legend: N tokens, L MoE layers, E experts, k top-k.
+
+Counts are kept (not only frequencies) so statistics of several trace folders merge exactly.
+Saved as safetensors (arrays) with JSON metadata, loadable without the training code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from safetensors.torch import load_file, save_file
+
+from duoserve.trace.format import Trace
+
+STATS_VERSION = 1
+
+
+def trace_filter(phase: str | None = None, datasets: list[str] | None = None) -> pc.Expression | None:
+    """A pyarrow filter on phase and datasets (None: all)."""
+    conds = []
+    if phase is not None:
+        conds.append(pc.field("phase") == phase)
+    if datasets:
+        conds.append(pc.field("dataset").isin(datasets))
+    filt = None
+    for c in conds:
+        filt = c if filt is None else filt & c
+    return filt
+
+
+def iter_routing(trace: Trace, filt: pc.Expression | None = None, batch_rows: int = 65_536):
+    """Yield the ``experts`` column batch by batch as N x L x k int64 arrays (constant memory)."""
+    L, k = trace.meta.num_layers, trace.meta.top_k
+    for batch in trace.dataset.to_batches(columns=["experts"], filter=filt, batch_size=batch_rows):
+        if batch.num_rows:
+            yield batch.column("experts").values.to_numpy().astype(np.int64).reshape(-1, L, k)
+
+
+@dataclass
+class RoutingStats:
+    popularity_counts: np.ndarray  # L x E: selections of each expert
+    affinity_counts: np.ndarray  # (L-1) x E x E: [l, i, j] = tokens with i at l and j at l+1
+    tokens: int
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def geometry(self) -> tuple[int, int]:
+        return self.popularity_counts.shape
+
+    @property
+    def popularity(self) -> np.ndarray:
+        """L x E float32: each layer's selection frequencies (rows sum to 1)."""
+        c = self.popularity_counts.astype(np.float64)
+        return (c / np.maximum(c.sum(1, keepdims=True), 1)).astype(np.float32)
+
+    @property
+    def affinity(self) -> np.ndarray:
+        """(L-1) x E x E float32: P(j at l+1 | i at l); rows of unseen experts are zero."""
+        c = self.affinity_counts.astype(np.float64)
+        return (c / np.maximum(c.sum(2, keepdims=True), 1)).astype(np.float32)
+
+    def merge(self, other: RoutingStats) -> RoutingStats:
+        if self.geometry != other.geometry:
+            raise ValueError(f"cannot merge statistics of geometry {self.geometry} and {other.geometry}")
+        return RoutingStats(self.popularity_counts + other.popularity_counts,
+                            self.affinity_counts + other.affinity_counts, self.tokens + other.tokens,
+                            {"merged": [self.meta, other.meta]})
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({"popularity_counts": torch.from_numpy(self.popularity_counts),
+                   "affinity_counts": torch.from_numpy(self.affinity_counts)}, str(tmp),
+                  metadata={"duoserve_stats": json.dumps({"version": STATS_VERSION, "tokens": self.tokens,
+                                                          "meta": self.meta})})
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> RoutingStats:
+        from safetensors import safe_open
+
+        with safe_open(str(path), "pt") as f:
+            info = json.loads((f.metadata() or {}).get("duoserve_stats", "{}"))
+        if info.get("version") != STATS_VERSION:
+            raise ValueError(f"{path} is not a duoserve statistics file of version {STATS_VERSION}")
+        arrays = load_file(str(path))
+        return cls(arrays["popularity_counts"].numpy(), arrays["affinity_counts"].numpy(), info["tokens"],
+                   info["meta"])
+
+
+def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    """Popularity (L x E) and affinity ((L-1) x E x E) counts of one N x L x k batch."""
+    N, L, k = ids.shape
+    E = num_experts
+    layer = np.arange(L)[None, :, None]  # 1 x L x 1
+    popularity = np.bincount((layer * E + ids).ravel(), minlength=L * E).reshape(L, E)
+    src = (layer[:, :-1] * E + ids[:, :-1])[..., :, None] * E  # N x (L-1) x k x 1
+    pairs = src + ids[:, 1:, None, :]  # N x (L-1) x k x k: flat index of (l, i, j)
+    affinity = np.bincount(pairs.ravel(), minlength=(L - 1) * E * E).reshape(L - 1, E, E)
+    return popularity, affinity
+
+
+def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
+                  batch_rows: int = 65_536) -> RoutingStats:
+    """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets)."""
+    L, E = trace.meta.num_layers, trace.meta.num_experts
+    popularity = np.zeros((L, E), dtype=np.int64)
+    affinity = np.zeros((L - 1, E, E), dtype=np.int64)
+    tokens = 0
+    for ids in iter_routing(trace, trace_filter(phase, datasets), batch_rows):
+        p, a = count_routing(ids, E)
+        popularity += p
+        affinity += a
+        tokens += len(ids)
+    return RoutingStats(popularity, affinity, tokens,
+                        {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets})
+
+
+def affinity_scores(affinity: np.ndarray, selected: np.ndarray) -> np.ndarray:
+    """N x E scores for layer l+1 from layer l's selection: the sum of the selected experts' affinity rows.
+
+    ``affinity`` is E x E for one layer pair, ``selected`` N x k expert ids at layer l.
+    """
+    return affinity[selected].sum(axis=1)  # N x k x E -> N x E

@@ -1,0 +1,1 @@
+"""Stage 5: model + predictor -> dual-phase offload inference. Not built yet."""

@@ -1,0 +1,129 @@
+"""The routing-trace contract: a folder of Parquet part files, one row per routed token.
+
+Columns (see DESIGN.md): request_id int64, dataset string, phase "prefill" | "decode",
+position int32, token_id int32, experts fixed_size_list<int16>[L*k] (layer-major, router order),
+scores fixed_size_list<float16>[L*k] (router weights), and optional next-gate columns:
+``nextgate`` (depth 1: layer l+1's router on layer l's MoE input, (L-1)*k ids) and
+``nextgate_d{d}`` for deeper look-ahead d ((L-d)*k ids).
+
+Every part carries the same JSON metadata under the ``duoserve`` key: format version, model,
+geometry, sampling and generation settings. Later stages open a trace only through
+:func:`open_trace`, which checks all of it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pyarrow.parquet as pq
+
+TRACE_VERSION = 1
+META_KEY = b"duoserve"
+PHASES = ("prefill", "decode")
+
+
+def nextgate_column(depth: int) -> str:
+    return "nextgate" if depth == 1 else f"nextgate_d{depth}"
+
+
+@dataclass(frozen=True)
+class TraceMeta:
+    """What every part file of a trace says about how it was made."""
+
+    model: str
+    num_layers: int  # MoE layers only
+    num_experts: int
+    top_k: int
+    decoder_indices: list[int]
+    datasets: list[dict]  # [{"name", "source"}]
+    lookahead: int = 0  # next-gate depth recorded (0: none)
+    revision: str | None = None
+    fraction: float | None = None
+    count: int | None = None
+    seed: int = 0
+    generation: dict = field(default_factory=dict)
+    package_version: str = ""
+    version: int = TRACE_VERSION
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> TraceMeta:
+        data = json.loads(raw)
+        if data.get("version") != TRACE_VERSION:
+            raise ValueError(f"trace format version {data.get('version')} is not supported (expected {TRACE_VERSION})")
+        return cls(**data)
+
+
+def arrow_schema(meta: TraceMeta) -> pa.Schema:
+    """The Parquet schema of a trace with ``meta``'s geometry and look-ahead, metadata attached."""
+    L, k = meta.num_layers, meta.top_k
+    fields = [
+        pa.field("request_id", pa.int64(), nullable=False),
+        pa.field("dataset", pa.string(), nullable=False),
+        pa.field("phase", pa.string(), nullable=False),
+        pa.field("position", pa.int32(), nullable=False),
+        pa.field("token_id", pa.int32(), nullable=False),
+        pa.field("experts", pa.list_(pa.int16(), L * k), nullable=False),
+        pa.field("scores", pa.list_(pa.float16(), L * k), nullable=False),
+    ]
+    fields += [pa.field(nextgate_column(d), pa.list_(pa.int16(), (L - d) * k), nullable=False)
+               for d in range(1, min(meta.lookahead, L - 1) + 1)]
+    return pa.schema(fields, metadata={META_KEY: meta.to_bytes()})
+
+
+def part_files(path: Path) -> list[Path]:
+    return sorted(path.glob("part-*.parquet"))
+
+
+@dataclass
+class Trace:
+    """An opened, validated trace folder."""
+
+    path: Path
+    meta: TraceMeta
+    files: list[Path]
+
+    @property
+    def dataset(self) -> pads.Dataset:
+        return pads.dataset([str(f) for f in self.files], format="parquet", schema=arrow_schema(self.meta))
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        return self.dataset.to_table(columns=[name]).column(name)
+
+    def num_rows(self) -> int:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+
+def open_trace(path: str | Path) -> Trace:
+    """Open a trace folder (or one part file), checking that every part has the same metadata and schema."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"no trace at {path}")
+    files = [path] if path.is_file() else part_files(path)
+    if not files:
+        raise ValueError(f"{path} holds no trace part files (part-*.parquet)")
+    meta, raw0 = None, None
+    for f in files:
+        try:
+            schema = pq.read_schema(f)
+        except Exception as err:
+            raise ValueError(f"{f} is not a readable Parquet file: {err}") from err
+        raw = (schema.metadata or {}).get(META_KEY)
+        if raw is None:
+            raise ValueError(f"{f} is not a duoserve trace (no '{META_KEY.decode()}' metadata)")
+        if meta is None:
+            meta, raw0 = TraceMeta.from_bytes(raw), raw
+            expected = arrow_schema(meta)
+        elif raw != raw0:
+            raise ValueError(f"{f} was written by a different run than {files[0]} (metadata differ); "
+                             "keep one run per trace folder")
+        if not schema.remove_metadata().equals(expected.remove_metadata()):
+            raise ValueError(f"{f}: schema does not match the trace contract for L={meta.num_layers}, "
+                             f"k={meta.top_k}:\n{schema.remove_metadata()}")
+    return Trace(path, meta, files)

@@ -1,0 +1,100 @@
+"""Writes a trace folder: bounded part files, each written atomically, resumable by request.
+
+Part files hold whole requests only and appear by rename, so after a crash the folder holds
+exactly the requests that were finished. A restart with the same arguments reads which
+(dataset, request_id) pairs are present and traces only the others: nothing is duplicated or
+dropped. Under torchrun / accelerate each rank writes ``part-r{rank}-*`` for its share.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from duoserve.trace.format import TraceMeta, arrow_schema, part_files
+
+RUN_FILE = "_run.json"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def prepare_out_dir(out: Path, run: dict) -> None:
+    """Create ``out`` for a run, or check that it holds a trace of the same run (to resume).
+
+    Raises if ``out`` is a file, a non-trace folder with files in it, or a trace of other arguments.
+    """
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    run_file = out / RUN_FILE
+    if run_file.exists():
+        previous = json.loads(run_file.read_text())
+        if previous != run:
+            changed = sorted(k for k in run.keys() | previous.keys() if run.get(k) != previous.get(k))
+            raise FileExistsError(f"{out} holds a trace made with other arguments ({', '.join(changed)} differ); "
+                                  "give a new --out, or the same arguments to resume it")
+        return
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} is not empty and holds no duoserve trace; give a new or empty --out")
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(run_file, (json.dumps(run, indent=2, sort_keys=True) + "\n").encode())
+
+
+def finished_requests(out: Path) -> set[tuple[str, int]]:
+    """(dataset, request_id) pairs present in the folder's part files, of every rank."""
+    done: set[tuple[str, int]] = set()
+    for f in part_files(out):
+        table = pq.read_table(f, columns=["dataset", "request_id"]).group_by(["dataset", "request_id"]).aggregate([])
+        done.update(zip(table.column("dataset").to_pylist(), table.column("request_id").to_pylist()))
+    return done
+
+
+class TraceWriter:
+    """Buffers row columns and writes a part file whenever ``rows_per_part`` rows are buffered."""
+
+    def __init__(self, out: Path, meta: TraceMeta, rank: int = 0, rows_per_part: int = 200_000):
+        self.out, self.rank, self.rows_per_part = out, rank, rows_per_part
+        self.schema = arrow_schema(meta)
+        for stale in out.glob(f".part-r{rank:03d}-*.tmp"):
+            stale.unlink()
+        own = part_files(out)
+        own = [f for f in own if f.name.startswith(f"part-r{rank:03d}-")]
+        self._seq = 1 + max((int(f.stem.rsplit("-", 1)[1]) for f in own), default=-1)
+        self._buffer: list[pa.RecordBatch] = []
+        self._buffered = 0
+        self.rows_written = 0
+
+    def add(self, columns: dict[str, np.ndarray]) -> None:
+        """Add rows: 1-D arrays for scalar columns, 2-D (rows x width) arrays for list columns."""
+        arrays = []
+        for f in self.schema:
+            col = columns[f.name]
+            if pa.types.is_fixed_size_list(f.type):
+                flat = pa.array(np.ascontiguousarray(col).reshape(-1), type=f.type.value_type)
+                arrays.append(pa.FixedSizeListArray.from_arrays(flat, f.type.list_size))
+            else:
+                arrays.append(pa.array(col, type=f.type))
+        batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
+        self._buffer.append(batch)
+        self._buffered += batch.num_rows
+        if self._buffered >= self.rows_per_part:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._buffered:
+            return
+        path = self.out / f"part-r{self.rank:03d}-{self._seq:05d}.parquet"
+        tmp = path.with_name(f".{path.name}.tmp")
+        pq.write_table(pa.Table.from_batches(self._buffer, schema=self.schema), tmp, compression="zstd")
+        os.replace(tmp, path)
+        self._seq += 1
+        self.rows_written += self._buffered
+        self._buffer, self._buffered = [], 0

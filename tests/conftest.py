@@ -1,0 +1,60 @@
+"""Shared fixtures: small random MoE models of several architectures, saved like hub checkpoints."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from duoserve.embedded import EMBEDDED_MODEL
+
+COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)
+
+
+def _configs(vocab: int, pad: int, eos: int) -> dict:
+    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+
+    ids = dict(vocab_size=vocab, pad_token_id=pad, eos_token_id=eos, bos_token_id=eos)
+    return {
+        "mixtral": MixtralConfig(**COMMON, **ids, intermediate_size=16, num_local_experts=8, num_experts_per_tok=2),
+        "qwen3_moe": Qwen3MoeConfig(**COMMON, **ids, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
+                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8),
+        "olmoe": OlmoeConfig(**COMMON, **ids, intermediate_size=16, num_experts=8, num_experts_per_tok=2),
+    }
+
+
+ARCHS = ["mixtral", "qwen3_moe", "olmoe"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(EMBEDDED_MODEL)
+
+
+def save_random_model(config, tokenizer, path: Path, seed: int = 0) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def arch_models(tmp_path_factory, tokenizer) -> dict[str, Path]:
+    """One saved random checkpoint per architecture, with the embedded tokenizer."""
+    root = tmp_path_factory.mktemp("models")
+    configs = _configs(len(tokenizer), tokenizer.pad_token_id, tokenizer.eos_token_id)
+    return {name: save_random_model(cfg, tokenizer, root / name) for name, cfg in configs.items()}
+
+
+@pytest.fixture(scope="session")
+def dense_model(tmp_path_factory, tokenizer) -> Path:
+    from transformers import LlamaConfig
+
+    cfg = LlamaConfig(**COMMON, vocab_size=len(tokenizer), intermediate_size=32)
+    return save_random_model(cfg, tokenizer, tmp_path_factory.mktemp("models") / "dense")

@@ -1,0 +1,234 @@
+"""Trace collection: routing equals a direct reading of the router, token for token, for three architectures."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from duoserve.data.tasks import parse_datasets
+from duoserve.trace import RoutingRecorder, find_moe_layers, moe_geometry, open_trace
+from duoserve.trace.collect import CollectSettings, collect, load_model, rows_from_records
+from duoserve.trace.format import nextgate_column
+from duoserve.trace.hooks import ForwardRecord
+from tests.conftest import ARCHS
+
+
+def _settings(model, out, **kw) -> CollectSettings:
+    base = dict(model=str(model), datasets=parse_datasets(["squad-sample", "orca-math-sample"]), out=out,
+                fraction=None, count=3, max_new_tokens=6, batch_size=4, lookahead=2, device="cpu",
+                dtype="float32")
+    return CollectSettings(**{**base, **kw})
+
+
+def _request_rows(trace, dataset: str, request_id: int):
+    df = trace.dataset.to_table().to_pandas()
+    df = df[(df.dataset == dataset) & (df.request_id == request_id)]
+    return df.assign(order=(df.phase == "decode").astype(int)).sort_values(["order", "position"])
+
+
+@torch.no_grad()
+def _reference(model, layers, token_ids: torch.Tensor):
+    """Routing of an unpadded single-sequence forward: router outputs (via hooks) and output_router_logits."""
+    captured = {}
+
+    def keep(l):
+        def hook(module, args, output):
+            captured[l] = (args[0], output)
+        return hook
+
+    handles = [layer.router.register_forward_hook(keep(l)) for l, layer in enumerate(layers)]
+    try:
+        out = model(input_ids=token_ids[None], output_router_logits=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured, out.router_logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_trace_matches_router_token_for_token(arch, arch_models, tokenizer, tmp_path):
+    result = collect(_settings(arch_models[arch], tmp_path / "t"))
+    trace = open_trace(tmp_path / "t")
+    model, _ = load_model(str(arch_models[arch]), "cpu", "float32")
+    layers = find_moe_layers(model)
+    L, k = trace.meta.num_layers, trace.meta.top_k
+    assert (L, trace.meta.num_experts, k) == (3, 8, 2) and result.requests == 6
+    assert trace.meta.decoder_indices == [0, 1, 2] and trace.meta.lookahead == 2
+
+    prompt_lengths = []
+    for dataset in ("squad-sample", "orca-math-sample"):
+        for request_id in sorted(set(trace.column("request_id").to_pylist())):
+            rows = _request_rows(trace, dataset, request_id)
+            if rows.empty:
+                continue
+            prefill = rows[rows.phase == "prefill"]
+            prompt = next(r.prompt for r in result_requests(dataset) if r.request_id == request_id)
+            prompt_ids = tokenizer(prompt)["input_ids"]
+            # padding is never recorded: exactly the prompt's own tokens, positions 0..n-1
+            assert prefill.token_id.tolist() == prompt_ids
+            assert prefill.position.tolist() == list(range(len(prompt_ids)))
+            assert tokenizer.pad_token_id not in rows.token_id.tolist()
+            prompt_lengths.append(len(prompt_ids))
+            tokens = torch.tensor(rows.token_id.tolist())
+            assert rows.position.tolist() == list(range(len(tokens)))
+            captured, logits = _reference(model, layers, tokens)
+            experts = np.stack(rows.experts.to_numpy()).reshape(-1, L, k)
+            scores = np.stack(rows.scores.to_numpy()).reshape(-1, L, k).astype(np.float32)
+            for l in range(L):
+                hidden, (_, weights, ids) = captured[l]
+                np.testing.assert_array_equal(experts[:, l], ids.numpy())
+                np.testing.assert_array_equal(experts[:, l], logits[l].topk(k, dim=-1).indices.numpy())
+                np.testing.assert_allclose(scores[:, l], weights.float().numpy(), atol=2e-3)
+                for d in (1, 2):
+                    if l + d < L:
+                        guess = layers[l + d].router(hidden.reshape(-1, hidden.shape[-1]))[-1]
+                        ng = np.stack(rows[nextgate_column(d)].to_numpy()).reshape(-1, L - d, k)
+                        np.testing.assert_array_equal(ng[:, l], guess.numpy())
+    assert len(prompt_lengths) == 6
+    assert len(set(prompt_lengths)) > 3, "batches of mixed prompt lengths, so that padding was present"
+
+
+def result_requests(dataset: str):
+    from duoserve.data.tasks import load_requests
+
+    return load_requests(parse_datasets([dataset])[0], None, 3, 0)
+
+
+def test_decode_rows_stop_at_eos():
+    """A sequence that emitted EOS contributes no later decode rows; the others continue."""
+    B, S, L, k, C = 2, 3, 2, 2, 4
+    eos = 9
+
+    def rec(T, base):
+        ids = (torch.arange(T * L * k).reshape(T, L, k) + base).to(torch.int16)
+        return ForwardRecord(ids, ids.float(), {1: ids[:, :1].clone()})
+
+    records = [rec(B * S, 0)] + [rec(B, 100 * (c + 1)) for c in range(C)]
+    input_ids = torch.tensor([[0, 5, 6], [4, 5, 6]])
+    attention_mask = torch.tensor([[0, 1, 1], [1, 1, 1]])
+    generated = torch.tensor([[7, eos, 0, 0, 0], [7, 8, 8, 8, 8]])  # row 0 stops after its first token
+    rows = rows_from_records(records, input_ids, attention_mask, generated, [eos], lookahead=1)
+    assert rows["batch_index"].tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1, 1]
+    assert rows["phase"].tolist() == ["prefill"] * 2 + ["decode"] + ["prefill"] * 3 + ["decode"] * 4
+    assert rows["position"].tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]
+    assert rows["token_id"].tolist() == [5, 6, 7, 4, 5, 6, 7, 8, 8, 8]
+    # row 0's first decode row is decode call 1 (records[1]) at batch index 0
+    np.testing.assert_array_equal(rows["experts"][2], records[1].ids[0].reshape(-1).numpy())
+    np.testing.assert_array_equal(rows["experts"][0], records[0].ids[1].reshape(-1).numpy())
+    assert rows["nextgate"].shape == (10, k)
+
+
+def test_recorder_removes_hooks_and_leaves_model_untouched(arch_models):
+    model, tok = load_model(str(arch_models["qwen3_moe"]), "cpu", "float32")
+    layers = find_moe_layers(model)
+    x = torch.tensor([[3, 4, 5, 6, 7]])
+    with torch.no_grad():
+        before = model(input_ids=x).logits
+        with RoutingRecorder(layers, moe_geometry(model, layers).top_k, lookahead=1) as rec:
+            during = model(input_ids=x).logits
+            assert all(len(layer.experts._forward_pre_hooks) == 1 for layer in layers)
+        after = model(input_ids=x).logits
+    assert all(len(layer.experts._forward_pre_hooks) == 0 for layer in layers)
+    torch.testing.assert_close(before, during)
+    torch.testing.assert_close(before, after)
+    (record,) = rec.pop()
+    assert record.ids.shape == (5, 3, 2) and record.nextgate[1].shape == (5, 2, 2)
+
+
+def test_resume_after_crash_equals_uninterrupted_run(arch_models, tmp_path):
+    model = arch_models["mixtral"]
+    collect(_settings(model, tmp_path / "full", batch_size=2, rows_per_part=1))
+
+    class Crash(Exception):
+        pass
+
+    def crash_after_two(done, total):
+        if done >= 4:
+            raise Crash
+
+    with pytest.raises(Crash):
+        collect(_settings(model, tmp_path / "resumed", batch_size=2, rows_per_part=1), crash_after_two)
+    partial = open_trace(tmp_path / "resumed")
+    assert len(partial.files) == 2
+    again = collect(_settings(model, tmp_path / "resumed", batch_size=2, rows_per_part=1))
+    assert again.resumed == 4 and again.requests == 6
+    keys = ["dataset", "request_id", "phase", "position"]
+    full = open_trace(tmp_path / "full").dataset.to_table().to_pandas().sort_values(keys).reset_index(drop=True)
+    resumed = open_trace(tmp_path / "resumed").dataset.to_table().to_pandas().sort_values(keys).reset_index(drop=True)
+    assert len(full) == len(resumed) > 0
+    assert not resumed.duplicated(keys).any()
+    for col in full.columns:
+        assert full[col].map(repr).tolist() == resumed[col].map(repr).tolist(), col
+    assert not list((tmp_path / "resumed").glob(".*tmp"))
+    # running once more changes nothing
+    assert collect(_settings(model, tmp_path / "resumed", batch_size=2, rows_per_part=1)).resumed == 6
+    assert len(open_trace(tmp_path / "resumed").files) == len(partial.files) + 1
+
+
+def test_ranks_share_requests_without_overlap(arch_models, tmp_path, monkeypatch):
+    out = tmp_path / "t"
+    for rank in (0, 1):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert collect(_settings(arch_models["olmoe"], out, max_new_tokens=2)).requests == 3
+    trace = open_trace(out)
+    assert {f.name.split("-")[1] for f in trace.files} == {"r000", "r001"}
+    pairs = trace.dataset.to_table(columns=["dataset", "request_id"]).group_by(["dataset", "request_id"]).aggregate([])
+    assert pairs.num_rows == 6
+
+
+def test_bad_inputs_fail_clearly_and_leave_nothing(arch_models, dense_model, tmp_path):
+    from duoserve.trace.collect import ModelLoadError
+    from duoserve.trace.hooks import UnsupportedModelError
+
+    out = tmp_path / "never"
+    with pytest.raises(ModelLoadError, match="no/such/model"):
+        collect(_settings(tmp_path / "no/such/model", out))
+    with pytest.raises(UnsupportedModelError, match="has no MoE layers"):
+        collect(_settings(dense_model, out))
+    with pytest.raises(ValueError, match="fraction must be in"):
+        collect(_settings(arch_models["mixtral"], out, fraction=1.5, count=None))
+    with pytest.raises(ValueError, match="unknown dataset 'sqad'"):
+        parse_datasets(["sqad"])
+    assert not out.exists()
+
+    a_file = tmp_path / "file"
+    a_file.write_text("keep me")
+    with pytest.raises(FileExistsError, match="is a file"):
+        collect(_settings(arch_models["mixtral"], a_file))
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="not empty"):
+        collect(_settings(arch_models["mixtral"], other))
+    assert a_file.read_text() == "keep me" and [p.name for p in other.iterdir()] == ["notes.txt"]
+
+    collect(_settings(arch_models["mixtral"], tmp_path / "t", max_new_tokens=1))
+    with pytest.raises(FileExistsError, match="max_new_tokens|generation"):
+        collect(_settings(arch_models["mixtral"], tmp_path / "t", max_new_tokens=2))
+
+
+def test_unsupported_experts_module_is_refused(arch_models):
+    from duoserve.trace.hooks import UnsupportedModelError
+
+    model, _ = load_model(str(arch_models["qwen3_moe"]), "cpu", "float32")
+    model.model.layers[1].mlp.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])
+    with pytest.raises(UnsupportedModelError, match=r"model.layers.1.mlp.experts \(ModuleList\)"):
+        find_moe_layers(model, "my-model")
+
+
+def test_open_trace_rejects_foreign_and_mixed_files(arch_models, tmp_path):
+    import pyarrow as pa
+
+    pq.write_table(pa.table({"x": [1]}), tmp_path / "part-x.parquet")
+    with pytest.raises(ValueError, match="not a duoserve trace"):
+        open_trace(tmp_path)
+    with pytest.raises(ValueError, match="holds no trace part files"):
+        open_trace(tmp_path / "missing_parent") if (tmp_path / "missing_parent").mkdir() is None else None
+    a = collect(_settings(arch_models["mixtral"], tmp_path / "a", max_new_tokens=1)).out
+    b = collect(_settings(arch_models["mixtral"], tmp_path / "b", max_new_tokens=2)).out
+    (b / "part-r000-00000.parquet").rename(a / "part-r009-00000.parquet")
+    with pytest.raises(ValueError, match="different run"):
+        open_trace(a)
