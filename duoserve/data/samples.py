@@ -115,7 +115,7 @@ def _share(rng: random.Random) -> tuple[str, str]:
 
 def _percent(rng: random.Random) -> tuple[str, str]:
     who = _name(rng)
-    price = rng.randint(2, 40) * 10
+    price = rng.randint(1, 20) * 20  # a multiple of 20, so every discount below is whole
     pct = rng.choice([10, 20, 25, 30, 40, 50])
     off = price * pct // 100
     paid = price - off

@@ -86,12 +86,40 @@ def moe_geometry(model: nn.Module, layers: list[MoELayer]) -> MoEGeometry:
 
 
 def _router_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k ids chosen by ``router`` for ``hidden`` (T x H), bypassing the router's hooks."""
+    """Top-k ids chosen by ``router`` for ``hidden`` (T x H), through its own forward, bypassing its hooks."""
     out = router.forward(hidden)
     if isinstance(out, tuple) and out[-1].dtype in (torch.int64, torch.int32) and out[-1].shape[-1] == k:
         return out[-1]  # transformers' routers return (logits, weights, indices)
     logits = out[0] if isinstance(out, tuple) else out
     return logits.topk(k, dim=-1).indices
+
+
+def _logit_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of the router's linear logits: two kernels instead of the router's whole forward."""
+    weight = router.weight
+    return nn.functional.linear(hidden.to(weight.dtype), weight, getattr(router, "bias", None)).topk(k, dim=-1).indices
+
+
+@torch.no_grad()
+def _next_gate_fn(router: nn.Module, k: int):
+    """The cheapest exact way to get ``router``'s top-k ids.
+
+    Most routers pick the top-k of a monotonic function (softmax, sigmoid) of their linear logits;
+    then the logits' top-k is the same set at a fraction of the launches, which is what keeps
+    tracing overhead low in launch-bound decode. Routers that do more (group-limited routing,
+    score-correction biases) fail the probe on random hidden states and keep their own forward.
+    """
+    weight = getattr(router, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return _router_top_k
+    probe = torch.randn(256, weight.shape[1], generator=torch.Generator().manual_seed(0))
+    probe = probe.to(weight.device, weight.dtype)
+    try:
+        same = torch.equal(_router_top_k(router, probe, k).sort(-1).values,
+                           _logit_top_k(router, probe, k).sort(-1).values)
+    except (RuntimeError, ValueError):
+        same = False
+    return _logit_top_k if same else _router_top_k
 
 
 @dataclass
@@ -115,6 +143,8 @@ class RoutingRecorder:
             raise UnsupportedModelError("next-gate needs each MoE layer's router as a `gate` or `router` sibling of "
                                         "its experts module; pass lookahead=0 to trace without it")
         self.layers, self.top_k, self.lookahead = layers, top_k, lookahead
+        self._next_gate = [_next_gate_fn(layer.router, top_k) if lookahead and l else None
+                           for l, layer in enumerate(layers)]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._clear()
 
@@ -126,17 +156,16 @@ class RoutingRecorder:
 
     def _hook(self, l: int):
         L, k = len(self.layers), self.top_k
+        depths = range(1, min(self.lookahead, L - 1 - l) + 1)
 
+        # Hot path: append the router's own tensors, no conversion or copy (pop() does that once).
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            hidden, ids, weights = (list(args) + [kwargs.get(n) for n in ("hidden_states", "top_k_index",
-                                                                        "top_k_weights")][len(args):])[:3]
-            if ids.shape[-1] != k:
-                raise RuntimeError(f"{self.layers[l].name}: routed {ids.shape[-1]} experts per token, expected {k}")
-            self._ids[l].append(ids.reshape(-1, k).to(torch.int16))  # T x k
-            self._weights[l].append(weights.reshape(-1, k).float())  # T x k
-            for d in range(1, min(self.lookahead, L - 1 - l) + 1):
-                guess = _router_top_k(self.layers[l + d].router, hidden.reshape(-1, hidden.shape[-1]), k)
-                self._nextgate[d][l].append(guess.to(torch.int16))  # T x k
+            hidden, ids, weights = (*args, *(kwargs[n] for n in ("hidden_states", "top_k_index",
+                                                                 "top_k_weights")[len(args):]))[:3]
+            self._ids[l].append(ids)  # T x k
+            self._weights[l].append(weights)  # T x k
+            for d in depths:
+                self._nextgate[d][l].append(self._next_gate[l + d](self.layers[l + d].router, hidden, k))  # T x k
 
         return pre_hook
 
@@ -156,12 +185,21 @@ class RoutingRecorder:
         calls = {len(per_layer) for per_layer in self._ids}
         if len(calls) != 1:
             raise RuntimeError(f"MoE layers fired unequal numbers of times: {sorted(calls)}")
-        records = []
-        for c in range(calls.pop()):
-            ids = torch.stack([per_layer[c] for per_layer in self._ids], dim=1)  # T x L x k
-            weights = torch.stack([per_layer[c] for per_layer in self._weights], dim=1)  # T x L x k
-            nextgate = {d: torch.stack([per_layer[c] for per_layer in layers], dim=1).cpu()  # T x (L-d) x k
-                        for d, layers in self._nextgate.items() if layers}
-            records.append(ForwardRecord(ids.cpu(), weights.cpu(), nextgate))
+        if calls == {0}:
+            return []
+        sizes = [t.shape[0] for t in self._ids[0]]
+        k = self.top_k
+        for l, per_layer in enumerate(self._ids):
+            if [t.shape[0] for t in per_layer] != sizes or per_layer[0].shape[-1] != k:
+                raise RuntimeError(f"{self.layers[l].name}: routed shapes {[tuple(t.shape) for t in per_layer]} "
+                                   f"differ from the first layer's {sizes} tokens x top-{k}")
+
+        def gather(per_layer: list[list[torch.Tensor]], dtype: torch.dtype) -> list[torch.Tensor]:
+            stacked = torch.stack([torch.cat(calls_) for calls_ in per_layer], dim=1)  # sum(T) x L' x k
+            return list(stacked.to(dtype).cpu().split(sizes))
+
+        ids = gather(self._ids, torch.int16)
+        weights = gather(self._weights, torch.float32)
+        nextgate = {d: gather(layers, torch.int16) for d, layers in self._nextgate.items() if layers}
         self._clear()
-        return records
+        return [ForwardRecord(ids[c], weights[c], {d: ng[c] for d, ng in nextgate.items()}) for c in range(len(sizes))]
