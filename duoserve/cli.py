@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from duoserve.embedded import EMBEDDED_NAME
+from duoserve.predictor.model import PAPER_WIDTHS
 
 console = Console()
 err_console = Console(stderr=True)
@@ -127,6 +128,97 @@ def _not_built(stage: str, issue: str) -> typer.Typer:
     return app
 
 
-train_app = _not_built("duoserve-train: features and predictor training", "see the features/predictor issue")
 eval_app = _not_built("duoserve-eval: accuracy report", "see the evaluation issue")
 run_app = _not_built("duoserve-run: dual-phase offload runtime", "see the runtime issue")
+
+
+train_app = typer.Typer(help="Routing statistics and next-layer expert predictor training (stages 2-3).",
+                        no_args_is_help=True, pretty_exceptions_enable=False)
+PHASE_HELP = "prefill, decode, or all."
+
+
+def _phase(phase: str) -> Optional[str]:
+    if phase not in ("all", "prefill", "decode"):
+        raise typer.BadParameter(f"phase must be all, prefill or decode, not {phase!r}")
+    return None if phase == "all" else phase
+
+
+@train_app.command()
+def stats(
+    traces: Annotated[list[Path], typer.Argument(help="Trace folders (same geometry); their counts are merged.")],
+    out: Annotated[Path, typer.Option(help="Output .safetensors file (counts + JSON metadata).")]
+    = Path("stats.safetensors"),
+    phase: Annotated[str, typer.Option(help=PHASE_HELP)] = "all",
+) -> None:
+    """Per-layer popularity (L x E) and consecutive-layer affinity ((L-1) x E x E) with counts."""
+    from duoserve.features.stats import compute_stats
+    from duoserve.trace.format import open_trace
+
+    try:
+        opened = [open_trace(t) for t in traces]
+        with _progress() as progress:
+            task = progress.add_task("counting", total=len(opened))
+            merged = None
+            for trace in opened:
+                one = compute_stats(trace, _phase(phase))
+                merged = one if merged is None else merged.merge(one)
+                progress.advance(task)
+        merged.save(out)
+    except _USER_ERRORS as err:
+        _fail(err)
+    L, E = merged.geometry
+    table = Table(title=f"statistics -> {out}")
+    for col in ("tokens", "layers", "experts", "top expert per layer (share)"):
+        table.add_column(col)
+    pop = merged.popularity
+    table.add_row(str(merged.tokens), str(L), str(E),
+                  ", ".join(f"{l}:{int(pop[l].argmax())} ({pop[l].max():.2f})" for l in range(min(L, 8)))
+                  + (" ..." if L > 8 else ""))
+    console.print(table)
+
+
+@train_app.command("fit")
+def fit_cmd(
+    traces: Annotated[list[Path], typer.Argument(help="Trace folders (same geometry).")],
+    out: Annotated[Path, typer.Option(help="Predictor artifact folder.")] = Path("predictor"),
+    phase: Annotated[str, typer.Option(help=f"Tokens to train on: {PHASE_HELP}")] = "all",
+    val_fraction: Annotated[float, typer.Option(help="Share of requests held out for validation.")] = 0.1,
+    seed: Annotated[int, typer.Option(help="Seed of the split, initialisation and shuffling.")] = 0,
+    window: Annotated[Optional[int], typer.Option(help="History window in layers. [default: all previous]")]
+    = None,
+    widths: Annotated[str, typer.Option(help="Hidden widths, comma-separated (the paper's by default).")]
+    = ",".join(map(str, PAPER_WIDTHS)),
+    feature: Annotated[Optional[list[str]], typer.Option(
+        help="Features beside the history: popularity, affinity, nextgate. Repeatable. "
+             "[default: popularity, affinity]")] = None,
+    epochs: Annotated[int, typer.Option(help="Maximum epochs (early stopping on validation exact-top-k).")] = 10,
+    patience: Annotated[int, typer.Option(help="Epochs without improvement before stopping.")] = 3,
+    batch_size: Annotated[int, typer.Option(help="Examples per step.")] = 1024,
+    lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = 1e-3,
+    accelerator: Annotated[str, typer.Option(help="Lightning accelerator: auto, cpu, gpu.")] = "auto",
+    devices: Annotated[str, typer.Option(help="Lightning devices: auto, 1, 2, ...")] = "auto",
+    strategy: Annotated[str, typer.Option(help="Lightning strategy: auto, ddp, ...")] = "auto",
+) -> None:
+    """Train the next-layer expert predictor (Lightning) and export it as a self-contained artifact."""
+    from duoserve.train.fit import FitSettings, fit
+
+    try:
+        settings = FitSettings(
+            traces=traces, out=out, phase=_phase(phase), val_fraction=val_fraction, seed=seed, window=window,
+            widths=tuple(int(w) for w in widths.split(",") if w.strip()),
+            features=tuple(feature) if feature else ("popularity", "affinity"), epochs=epochs, patience=patience,
+            batch_size=batch_size, lr=lr, accelerator=accelerator,
+            devices=int(devices) if devices.isdigit() else devices, strategy=strategy)
+        result = fit(settings)
+    except _USER_ERRORS as err:
+        _fail(err)
+    if result.out is None:
+        return
+    table = Table(title=f"validation ({result.val_examples} token-layer examples) -> {result.out}")
+    for col in ("predictor", "exact-top-k", "at-least-half", "recall"):
+        table.add_column(col)
+    for name, m in result.metrics.items():
+        table.add_row(name if name != "predictor" else "[bold]trained MLP[/]", f"{m['exact_topk']:.3f}",
+                      f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
+    console.print(table)
+    console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s")

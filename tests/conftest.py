@@ -58,3 +58,46 @@ def dense_model(tmp_path_factory, tokenizer) -> Path:
 
     cfg = LlamaConfig(**COMMON, vocab_size=len(tokenizer), intermediate_size=32)
     return save_random_model(cfg, tokenizer, tmp_path_factory.mktemp("models") / "dense")
+
+
+def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahead: int = 0, num_experts: int = 6):
+    """A hand-built trace: ``ids`` N x L x k expert ids, one request id per row; returns the opened trace."""
+    import numpy as np
+
+    from duoserve.trace.format import TraceMeta
+    from duoserve.trace.writer import TraceWriter
+
+    ids = np.asarray(ids, dtype=np.int16)
+    N, L, k = ids.shape
+    meta = TraceMeta(model="hand-built", num_layers=L, num_experts=num_experts, top_k=k,
+                     decoder_indices=list(range(L)), datasets=[{"name": "squad", "source": "test"}],
+                     lookahead=lookahead)
+    out.mkdir(parents=True)
+    writer = TraceWriter(out, meta)
+    cols = {
+        "request_id": np.asarray(request_ids, dtype=np.int64),
+        "dataset": np.array(datasets if datasets is not None else ["squad"] * N, dtype=object),
+        "phase": np.array(phases if phases is not None else ["decode"] * N, dtype=object),
+        "position": np.arange(N, dtype=np.int32), "token_id": np.arange(N, dtype=np.int32),
+        "experts": ids.reshape(N, -1), "scores": np.full((N, L * k), 0.5, dtype=np.float16),
+    }
+    for d in range(1, lookahead + 1):
+        cols["nextgate" if d == 1 else f"nextgate_d{d}"] = ids[:, d:].reshape(N, -1)
+    writer.add(cols)
+    writer.flush()
+    from duoserve.trace import open_trace
+
+    return open_trace(out)
+
+
+@pytest.fixture(scope="session")
+def embedded_trace(tmp_path_factory):
+    """The README's default trace of the embedded model (2.5% of each built-in sample), 16 decode steps."""
+    from duoserve.data.tasks import parse_datasets
+    from duoserve.trace import open_trace
+    from duoserve.trace.collect import CollectSettings, collect
+
+    out = tmp_path_factory.mktemp("embedded") / "traces"
+    collect(CollectSettings(datasets=parse_datasets(["squad-sample", "orca-math-sample"]), out=out,
+                            max_new_tokens=16, device="cpu"))
+    return open_trace(out)

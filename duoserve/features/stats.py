@@ -40,7 +40,7 @@ def iter_routing(trace: Trace, filt: pc.Expression | None = None, batch_rows: in
     L, k = trace.meta.num_layers, trace.meta.top_k
     for batch in trace.dataset.to_batches(columns=["experts"], filter=filt, batch_size=batch_rows):
         if batch.num_rows:
-            yield batch.column("experts").values.to_numpy().astype(np.int64).reshape(-1, L, k)
+            yield batch.column("experts").flatten().to_numpy().astype(np.int64).reshape(-1, L, k)
 
 
 @dataclass
@@ -107,25 +107,29 @@ def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.nda
     return popularity, affinity
 
 
-def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
-                  batch_rows: int = 65_536) -> RoutingStats:
-    """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets)."""
-    L, E = trace.meta.num_layers, trace.meta.num_experts
+def accumulate(batches, num_layers: int, num_experts: int, meta: dict | None = None) -> RoutingStats:
+    """Statistics of a stream of N x L x k id batches."""
+    L, E = num_layers, num_experts
     popularity = np.zeros((L, E), dtype=np.int64)
     affinity = np.zeros((L - 1, E, E), dtype=np.int64)
     tokens = 0
-    for ids in iter_routing(trace, trace_filter(phase, datasets), batch_rows):
+    for ids in batches:
         p, a = count_routing(ids, E)
         popularity += p
         affinity += a
         tokens += len(ids)
-    return RoutingStats(popularity, affinity, tokens,
-                        {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets})
+    return RoutingStats(popularity, affinity, tokens, meta or {})
 
 
-def affinity_scores(affinity: np.ndarray, selected: np.ndarray) -> np.ndarray:
-    """N x E scores for layer l+1 from layer l's selection: the sum of the selected experts' affinity rows.
+def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
+                  batch_rows: int = 65_536) -> RoutingStats:
+    """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets)."""
+    return accumulate(iter_routing(trace, trace_filter(phase, datasets), batch_rows), trace.meta.num_layers,
+                      trace.meta.num_experts,
+                      {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets})
 
-    ``affinity`` is E x E for one layer pair, ``selected`` N x k expert ids at layer l.
-    """
-    return affinity[selected].sum(axis=1)  # N x k x E -> N x E
+
+def stats_from_ids(ids: np.ndarray, num_experts: int, batch_rows: int = 65_536, meta: dict | None = None) -> RoutingStats:
+    """Statistics of an in-memory N x L x k id table."""
+    batches = (ids[i:i + batch_rows].astype(np.int64) for i in range(0, len(ids), batch_rows))
+    return accumulate(batches, ids.shape[1], num_experts, meta)

@@ -52,7 +52,7 @@ def expert_usage(trace: Trace, phase: str | None = None, dataset: str | None = N
     usage = np.zeros((L, E), dtype=np.int64)
     layer_of = np.repeat(np.arange(L), k)  # L*k: the layer of each slot
     for batch in trace.dataset.to_batches(columns=["experts"], filter=filt):
-        ids = batch.column("experts").values.to_numpy().reshape(-1, L * k)  # N x L*k
+        ids = batch.column("experts").flatten().to_numpy().reshape(-1, L * k)  # N x L*k
         usage += np.bincount((layer_of * E + ids).ravel(), minlength=L * E).reshape(L, E)
     return usage
 

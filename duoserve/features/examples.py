@@ -1,0 +1,100 @@
+"""Training examples from traces: routing tables in memory, a split by request, (token, layer) pairs.
+
+Shape legend: N tokens, L MoE layers, k top-k, M examples.
+
+An example is a (token, target layer t) pair, t in 1..L-1: the input is the token's expert ids at
+the layers before t (features are built from them inside the predictor), the target the ids at t.
+Examples are kept as index pairs into one N x L x k id table, never as wide feature rows.
+The split is by request (a seeded hash of dataset and request id), so no prompt is on both sides.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from duoserve.features.stats import trace_filter
+from duoserve.trace.format import Trace, TraceMeta
+
+
+@dataclass
+class RoutingTable:
+    """The routing of a set of traces, in memory."""
+
+    meta: TraceMeta
+    ids: np.ndarray  # N x L x k int16
+    nextgate: np.ndarray | None  # N x (L-1) x k int16, if recorded
+    request: np.ndarray  # N: index into ``requests``
+    requests: list[tuple[str, int]]  # (dataset, request_id)
+    decode: np.ndarray  # N bool: decode-phase token
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+
+def _same_geometry(a: TraceMeta, b: TraceMeta) -> bool:
+    return (a.num_layers, a.num_experts, a.top_k) == (b.num_layers, b.num_experts, b.top_k)
+
+
+def load_routing(traces: Sequence[Trace], phase: str | None = None,
+                 datasets: Sequence[str] | None = None) -> RoutingTable:
+    """Read ``traces`` (same geometry) into one table, optionally one phase and some datasets."""
+    if not traces:
+        raise ValueError("no trace given")
+    meta = traces[0].meta
+    for t in traces[1:]:
+        if not _same_geometry(meta, t.meta):
+            raise ValueError(f"{t.path} has geometry L={t.meta.num_layers}, E={t.meta.num_experts}, "
+                             f"k={t.meta.top_k}, unlike {traces[0].path}")
+    L, k = meta.num_layers, meta.top_k
+    with_ng = all(t.meta.lookahead >= 1 for t in traces)
+    cols = ["dataset", "request_id", "phase", "experts", *(["nextgate"] if with_ng else [])]
+    tables = [t.dataset.to_table(columns=cols, filter=trace_filter(phase, list(datasets) if datasets else None))
+              for t in traces]
+    n = sum(t.num_rows for t in tables)
+    if n == 0:
+        raise ValueError(f"no trace rows match phase={phase or 'any'}, datasets={list(datasets or []) or 'any'}")
+
+    def fixed(name: str, width: int) -> np.ndarray:
+        return np.concatenate([t.column(name).combine_chunks().flatten().to_numpy() for t in tables]).reshape(n, -1, width)
+
+    keys = list(zip(np.concatenate([t.column("dataset").to_numpy(zero_copy_only=False) for t in tables]),
+                    np.concatenate([t.column("request_id").to_numpy() for t in tables]).tolist()))
+    requests = sorted(set(keys))
+    index = {key: i for i, key in enumerate(requests)}
+    return RoutingTable(
+        meta=meta,
+        ids=fixed("experts", k).astype(np.int16),
+        nextgate=fixed("nextgate", k).astype(np.int16) if with_ng else None,
+        request=np.array([index[key] for key in keys], dtype=np.int64),
+        requests=[(str(d), int(r)) for d, r in requests],
+        decode=np.concatenate([t.column("phase").to_numpy(zero_copy_only=False) for t in tables]) == "decode",
+    )
+
+
+def split_requests(requests: Sequence[tuple[str, int]], val_fraction: float, seed: int) -> np.ndarray:
+    """Bool per request, True for validation: a seeded hash, stable under adding or removing requests."""
+    if not 0.0 < val_fraction < 1.0:
+        raise ValueError(f"validation fraction must be in (0, 1), got {val_fraction}")
+    u = np.array([int.from_bytes(hashlib.sha1(f"{seed}:{d}:{r}".encode()).digest()[:8], "big") / 2**64
+                  for d, r in requests])
+    val = u < val_fraction
+    if val.all() or not val.any():
+        raise ValueError(f"{len(requests)} request(s) cannot be split {1 - val_fraction:.0%}/{val_fraction:.0%} into "
+                         "non-empty train and validation sets; trace more requests")
+    return val
+
+
+@dataclass
+class Examples:
+    token: np.ndarray  # M: row in the routing table
+    target: np.ndarray  # M: layer to predict, 1..L-1
+
+
+def make_examples(tokens: np.ndarray, num_layers: int) -> Examples:
+    """Every (token, target layer) pair for the given token rows."""
+    targets = np.arange(1, num_layers)
+    return Examples(np.repeat(tokens, len(targets)), np.tile(targets, len(tokens)))

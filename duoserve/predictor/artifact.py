@@ -1,0 +1,62 @@
+"""The exported predictor: a folder with config.json and model.safetensors, loadable with torch alone.
+
+    predictor/
+      config.json        format version, geometry and feature spec, layer widths, training data,
+                         split, metrics at export
+      model.safetensors  MLP weights and the popularity / affinity statistics it uses
+      split.json         the (dataset, request_id) pairs trained on, so evaluation can refuse overlap
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+
+ARTIFACT_VERSION = 1
+
+
+def save_predictor(model: ExpertPredictor, out: str | Path, info: dict, train_requests: list[tuple[str, int]]) -> Path:
+    """Write ``model`` as an artifact folder at ``out`` (atomically: a temp folder, then a rename)."""
+    out = Path(out)
+    if out.exists() and not (out / "config.json").exists():
+        raise FileExistsError(f"{out} exists and is not a predictor folder; give a new --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    config = {"version": ARTIFACT_VERSION, "feature_spec": model.spec.to_dict(), "widths": list(model.widths),
+              "dropout": model.dropout, **info}
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / "split.json").write_text(json.dumps({"train_requests": sorted(map(list, train_requests))}) + "\n")
+    state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out
+
+
+def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> ExpertPredictor:
+    """Load an exported predictor (eval mode) with torch alone."""
+    path = Path(path)
+    if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
+        raise FileNotFoundError(f"{path} is not a predictor folder (needs config.json and model.safetensors)")
+    config = json.loads((path / "config.json").read_text())
+    if config.get("version") != ARTIFACT_VERSION:
+        raise ValueError(f"{path}: predictor format version {config.get('version')} is not supported "
+                         f"(expected {ARTIFACT_VERSION})")
+    model = ExpertPredictor(FeatureSpec(**config["feature_spec"]), tuple(config["widths"]), config["dropout"])
+    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    model.config = config
+    return model.to(device).eval()
+
+
+def trained_requests(path: str | Path) -> set[tuple[str, int]]:
+    """The (dataset, request_id) pairs a predictor artifact was trained on."""
+    return {(d, int(r)) for d, r in json.loads((Path(path) / "split.json").read_text())["train_requests"]}

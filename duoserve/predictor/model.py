@@ -1,0 +1,106 @@
+"""The next-layer expert predictor: features built from a token's routing history, then an MLP.
+
+Shape legend: B examples, L MoE layers, E experts, k top-k, W history window (layers), D input width.
+
+Features for target layer t (predicting layer t from layers < t), concatenated:
+  history    W x E  multi-hot of the experts selected at layers t-W .. t-1 (zero before layer 0)
+  popularity E      layer t's selection frequencies (from the training traces)
+  affinity   E      sum over layer t-1's selected experts i of P(j at t | i at t-1)
+  layer      L      one-hot of t
+  nextgate   E      optional: multi-hot of the next-gate guess for t (layer t's router on layer t-1's input)
+The features are computed inside the module from expert ids, so training, evaluation and the
+runtime share one definition, and the exported artifact carries the statistics it needs.
+Needs torch only (no Lightning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
+
+PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    num_layers: int
+    num_experts: int
+    top_k: int
+    window: int  # previous layers in the history
+    popularity: bool = True
+    affinity: bool = True
+    nextgate: bool = False
+
+    def __post_init__(self):
+        if not 1 <= self.window <= self.num_layers - 1:
+            raise ValueError(f"history window must be in 1..{self.num_layers - 1} layers, got {self.window}")
+
+    @property
+    def input_dim(self) -> int:
+        E = self.num_experts
+        return self.window * E + E * (self.popularity + self.affinity + self.nextgate) + self.num_layers
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+class ExpertPredictor(nn.Module):
+    """Scores the experts of a target layer from the token's expert ids at earlier layers."""
+
+    def __init__(self, spec: FeatureSpec, widths: tuple[int, ...] = PAPER_WIDTHS, dropout: float = 0.1,
+                 popularity: torch.Tensor | None = None, affinity: torch.Tensor | None = None):
+        super().__init__()
+        L, E = spec.num_layers, spec.num_experts
+        self.spec, self.widths, self.dropout = spec, tuple(widths), dropout
+        self.register_buffer("popularity", torch.zeros(L, E) if popularity is None else popularity.float())
+        self.register_buffer("affinity", torch.zeros(L - 1, E, E) if affinity is None else affinity.float())
+        blocks, width = [], spec.input_dim
+        for w in widths:
+            blocks += [nn.Linear(width, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Dropout(dropout)]
+            width = w
+        self.mlp = nn.Sequential(*blocks, nn.Linear(width, E))
+
+    def features(self, history: torch.Tensor, target: torch.Tensor,
+                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x D features. ``history`` B x L' x k ids (layers >= target are ignored), ``target`` B layer ids
+        in 1..L-1, ``nextgate`` B x k ids guessed for the target layer (when the spec uses it)."""
+        s = self.spec
+        B, E, W = history.shape[0], s.num_experts, s.window
+        history, target = history.long(), target.long()
+        layers = target[:, None] - W + torch.arange(W, device=target.device)  # B x W: layers in the window
+        valid = (layers >= 0).float()[..., None]  # B x W x 1
+        window_ids = history.gather(1, layers.clamp(min=0)[..., None].expand(-1, -1, history.shape[2]))  # B x W x k
+        parts = [torch.zeros(B, W, E, device=history.device).scatter_(2, window_ids, 1.0).mul_(valid).flatten(1)]
+        if s.popularity:
+            parts.append(popularity_scores(self.popularity, target))  # B x E
+        if s.affinity:
+            parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target))  # B x E, from layer t-1
+        parts.append(nn.functional.one_hot(target, s.num_layers).float())  # B x L
+        if s.nextgate:
+            if nextgate is None:
+                raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")
+            parts.append(torch.zeros(B, E, device=history.device).scatter_(1, nextgate.long(), 1.0))
+        return torch.cat(parts, dim=1)  # B x D
+
+    def forward(self, history: torch.Tensor, target: torch.Tensor,
+                nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x E logits for the experts of layer ``target``."""
+        return self.mlp(self.features(history, target, nextgate))
+
+    @torch.no_grad()
+    def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                budget: int | None = None) -> torch.Tensor:
+        """B x budget expert ids (default budget: top-k), best first."""
+        logits = self.forward(history, target, nextgate)
+        return logits.topk(budget or self.spec.top_k, dim=1).indices
+
+    def check_geometry(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:
+        """Refuse a model or trace whose geometry differs from the one this predictor was trained on."""
+        s = self.spec
+        if (num_layers, num_experts, top_k) != (s.num_layers, s.num_experts, s.top_k):
+            raise ValueError(f"predictor geometry L={s.num_layers}, E={s.num_experts}, k={s.top_k} does not match "
+                             f"the {what}'s L={num_layers}, E={num_experts}, k={top_k}")

@@ -1,0 +1,164 @@
+"""Fit a next-layer expert predictor on traces and export it as a self-contained artifact.
+
+Shape legend: B examples in a batch, L MoE layers, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import lightning as pl
+import numpy as np
+import torch
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from duoserve.features.examples import Examples, RoutingTable, load_routing, make_examples, split_requests
+from duoserve.features.stats import stats_from_ids
+from duoserve.metrics import topk_metrics
+from duoserve.predictor.artifact import save_predictor
+from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
+from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
+from duoserve.trace.format import open_trace
+from duoserve.train.lightning import ExampleSet, PredictorModule, RoutingDataModule
+
+MONITOR = "val/exact_topk"
+
+
+@dataclass
+class FitSettings:
+    traces: Sequence[Path]
+    out: Path = Path("predictor")
+    phase: str | None = None  # None: prefill and decode tokens
+    datasets: Sequence[str] | None = None
+    val_fraction: float = 0.1
+    seed: int = 0
+    window: int | None = None  # None: all previous layers
+    widths: tuple[int, ...] = PAPER_WIDTHS
+    dropout: float = 0.1
+    features: Sequence[str] = ("popularity", "affinity")  # plus "nextgate" if wanted
+    epochs: int = 10
+    batch_size: int = 1024
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    patience: int = 3
+    accelerator: str = "auto"
+    devices: str | int = "auto"
+    strategy: str = "auto"
+    progress: bool = True
+
+
+@dataclass
+class FitResult:
+    out: Path | None  # None on non-zero DDP ranks
+    metrics: dict[str, dict[str, float]]  # on validation examples: predictor and baselines
+    train_examples: int
+    val_examples: int
+    epochs: int
+    seconds: float
+    info: dict = field(default_factory=dict)
+
+
+@torch.no_grad()
+def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Examples,
+                       batch_size: int = 8192) -> dict[str, dict[str, float]]:
+    """exact-top-k / at-least-half / recall on ``val`` of the predictor and the zero-training baselines."""
+    predictor = predictor.eval().cpu()
+    E = predictor.spec.num_experts
+    data = ExampleSet(table, val)
+    scores: dict[str, list[torch.Tensor]] = {"predictor": [], "popularity": [], "affinity": []}
+    if table.nextgate is not None:
+        scores["nextgate"] = []
+    truth = []
+    for i in range(0, len(data), batch_size):
+        b = data.__getitems__(list(range(i, min(i + batch_size, len(data)))))
+        prev = b["history"].gather(1, (b["target"] - 1)[:, None, None].expand(-1, 1, b["history"].shape[2]))[:, 0]
+        scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate")))
+        scores["popularity"].append(popularity_scores(predictor.popularity, b["target"]))
+        scores["affinity"].append(affinity_markov_scores(predictor.affinity, prev, b["target"]))
+        if "nextgate" in scores:
+            scores["nextgate"].append(torch.zeros(len(prev), E).scatter_(1, b["nextgate"], 1.0))
+        truth.append(b["truth"])
+    truth_t = torch.cat(truth)
+    return {name: topk_metrics(torch.cat(s), truth_t, E) for name, s in scores.items()}
+
+
+def _work_dir(s: FitSettings) -> Path:
+    return s.out.parent / f".{s.out.name}.lightning"
+
+
+def fit(s: FitSettings) -> FitResult:
+    """Train on the traces' training requests, pick the epoch with the best validation exact-top-k, export."""
+    start = time.time()
+    unknown = set(s.features) - {"popularity", "affinity", "nextgate"}
+    if unknown:
+        raise ValueError(f"unknown feature(s) {sorted(unknown)}; choose from popularity, affinity, nextgate")
+    if s.epochs < 1 or s.batch_size < 1 or s.lr <= 0:
+        raise ValueError("epochs and batch size must be >= 1 and the learning rate > 0")
+    if s.out.exists() and not (s.out / "config.json").exists():
+        raise FileExistsError(f"{s.out} exists and is not a predictor folder; give a new --out")
+    traces = [open_trace(p) for p in s.traces]
+    table = load_routing(traces, s.phase, s.datasets)
+    meta = table.meta
+    L, E, k = meta.num_layers, meta.num_experts, meta.top_k
+    if L < 2:
+        raise ValueError("a next-layer predictor needs at least 2 MoE layers")
+    if "nextgate" in s.features and table.nextgate is None:
+        raise ValueError("the nextgate feature needs traces recorded with --lookahead >= 1")
+    spec = FeatureSpec(L, E, k, s.window or L - 1, "popularity" in s.features, "affinity" in s.features,
+                       "nextgate" in s.features)
+
+    val_request = split_requests(table.requests, s.val_fraction, s.seed)  # per request
+    val_token = val_request[table.request]  # per token
+    train, val = make_examples(np.flatnonzero(~val_token), L), make_examples(np.flatnonzero(val_token), L)
+    stats = stats_from_ids(table.ids[~val_token], E)  # training requests only: nothing leaks from validation
+
+    work = _work_dir(s)
+    run = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items() if k not in ("progress", "out")}
+    run["traces"] = [str(p) for p in s.traces]
+    run_file, resume = work / "run.json", None
+    if run_file.exists():
+        if json.loads(run_file.read_text()) != json.loads(json.dumps(run)):
+            raise FileExistsError(f"{work} holds a fit with other settings; remove it or use another --out")
+        last = work / "checkpoints" / "last.ckpt"
+        resume = str(last) if last.exists() else None
+    work.mkdir(parents=True, exist_ok=True)
+    run_file.write_text(json.dumps(run, indent=2))
+
+    pl.seed_everything(s.seed, verbose=False)
+    module = PredictorModule(spec.to_dict(), tuple(s.widths), s.dropout, s.lr, s.weight_decay,
+                             torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity))
+    checkpoint = ModelCheckpoint(dirpath=work / "checkpoints", monitor=MONITOR, mode="max", save_last=True)
+    trainer = pl.Trainer(
+        max_epochs=s.epochs, accelerator=s.accelerator, devices=s.devices, strategy=s.strategy,
+        callbacks=[checkpoint, EarlyStopping(monitor=MONITOR, mode="max", patience=s.patience)],
+        logger=CSVLogger(work, name="logs"), default_root_dir=work, enable_progress_bar=s.progress,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    trainer.fit(module, datamodule=RoutingDataModule(table, train, val, s.batch_size), ckpt_path=resume)
+    result = FitResult(None, {}, len(train.token), len(val.token), trainer.current_epoch, 0.0)
+    if not trainer.is_global_zero:
+        return result
+
+    best = PredictorModule.load_from_checkpoint(checkpoint.best_model_path, map_location="cpu").model
+    metrics = validation_metrics(best, table, val)
+    train_requests = [r for r, v in zip(table.requests, val_request) if not v]
+    info = {
+        "geometry": {"num_layers": L, "num_experts": E, "top_k": k, "decoder_indices": meta.decoder_indices},
+        "training_data": {"traces": [str(p) for p in s.traces], "model": meta.model, "revision": meta.revision,
+                          "datasets": sorted({d for d, _ in table.requests}), "phase": s.phase or "all",
+                          "tokens": int((~val_token).sum()), "trace_generation": meta.generation},
+        "split": {"rule": "sha1(f'{seed}:{dataset}:{request_id}') / 2**64 < val_fraction is validation",
+                  "seed": s.seed, "val_fraction": s.val_fraction, "train_requests": len(train_requests),
+                  "val_requests": int(val_request.sum())},
+        "training": {"epochs_run": trainer.current_epoch, "best_epoch_checkpoint": Path(checkpoint.best_model_path).name,
+                     "lr": s.lr, "weight_decay": s.weight_decay, "batch_size": s.batch_size, "seed": s.seed},
+        "metrics": {"validation": metrics},
+    }
+    result.out = save_predictor(best, s.out, info, train_requests)
+    result.metrics, result.info, result.seconds = metrics, info, time.time() - start
+    return result

@@ -1,0 +1,90 @@
+"""Lightning wrappers: the data module over a routing table, and the training module around the predictor.
+
+Shape legend: B examples in a batch, L MoE layers, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+import lightning as pl
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from duoserve.features.examples import Examples, RoutingTable
+from duoserve.metrics import hit_metrics, multi_hot, overlap
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+
+
+class ExampleSet(Dataset):
+    """(token, target layer) examples over one routing table; fetched a whole batch at a time."""
+
+    def __init__(self, table: RoutingTable, examples: Examples):
+        self.ids = torch.from_numpy(table.ids.astype(np.int64))  # N x L x k
+        self.nextgate = None if table.nextgate is None else torch.from_numpy(table.nextgate.astype(np.int64))
+        self.token = torch.from_numpy(examples.token)
+        self.target = torch.from_numpy(examples.target)
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def __getitems__(self, index: list[int]) -> dict[str, torch.Tensor]:
+        token, target = self.token[index], self.target[index]  # B, B
+        batch = {"history": self.ids[token], "target": target, "truth": self.ids[token, target]}  # B x L x k, B x k
+        if self.nextgate is not None:
+            batch["nextgate"] = self.nextgate[token, target - 1]  # B x k: guess for layer t made at t-1
+        return batch
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.__getitems__([i]).items()}
+
+
+def _identity(batch):
+    return batch
+
+
+class RoutingDataModule(pl.LightningDataModule):
+    def __init__(self, table: RoutingTable, train: Examples, val: Examples, batch_size: int = 1024):
+        super().__init__()
+        self.table, self.train, self.val, self.batch_size = table, train, val, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(ExampleSet(self.table, self.train), batch_size=self.batch_size, shuffle=True,
+                          collate_fn=_identity)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(ExampleSet(self.table, self.val), batch_size=self.batch_size * 4, collate_fn=_identity)
+
+
+class PredictorModule(pl.LightningModule):
+    """BCE-with-logits over the E experts (multi-label), AdamW; validation exact-top-k / at-least-half / recall."""
+
+    def __init__(self, spec: dict, widths: tuple[int, ...], dropout: float = 0.1, lr: float = 1e-3,
+                 weight_decay: float = 0.01, popularity: torch.Tensor | None = None,
+                 affinity: torch.Tensor | None = None):
+        super().__init__()
+        self.save_hyperparameters(ignore=["popularity", "affinity"])
+        self.model = ExpertPredictor(FeatureSpec(**spec), widths, dropout, popularity, affinity)
+
+    def _logits(self, batch: dict) -> torch.Tensor:
+        return self.model(batch["history"], batch["target"], batch.get("nextgate"))  # B x E
+
+    def training_step(self, batch: dict, _: int) -> torch.Tensor:
+        E = self.model.spec.num_experts
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(self._logits(batch),
+                                                                    multi_hot(batch["truth"], E))
+        self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["target"]))
+        return loss
+
+    def validation_step(self, batch: dict, _: int) -> None:
+        spec = self.model.spec
+        logits = self._logits(batch)
+        B = len(batch["target"])
+        hits = overlap(logits.topk(spec.top_k, dim=1).indices, batch["truth"], spec.num_experts)  # B
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, multi_hot(batch["truth"],
+                                                                                      spec.num_experts))
+        self.log("val/loss", loss, on_epoch=True, batch_size=B, sync_dist=True)
+        for name, value in hit_metrics(hits, spec.top_k).items():
+            self.log(f"val/{name}", value, on_epoch=True, batch_size=B, sync_dist=True, prog_bar=name != "recall")
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=self.hparams.weight_decay)

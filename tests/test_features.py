@@ -1,0 +1,108 @@
+"""Routing statistics, examples, split and predictor features against brute-force references."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from duoserve.features.examples import load_routing, make_examples, split_requests
+from duoserve.features.stats import RoutingStats, compute_stats, stats_from_ids
+from duoserve.metrics import topk_metrics
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from tests.conftest import write_trace
+
+L, E, K = 4, 6, 2
+
+
+def _random_ids(n: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    return np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)])  # n x L x k
+
+
+def test_stats_equal_brute_force_and_merge(tmp_path):
+    ids = _random_ids(300, 0)
+    phases = ["prefill"] * 100 + ["decode"] * 200
+    trace = write_trace(tmp_path / "t", ids, np.arange(300) // 10, phases=phases)
+    stats = compute_stats(trace, batch_rows=7)  # several batches
+    pop, aff = np.zeros((L, E), int), np.zeros((L - 1, E, E), int)
+    for token in ids:
+        for l in range(L):
+            for i in token[l]:
+                pop[l, i] += 1
+                if l + 1 < L:
+                    for j in token[l + 1]:
+                        aff[l, i, j] += 1
+    np.testing.assert_array_equal(stats.popularity_counts, pop)
+    np.testing.assert_array_equal(stats.affinity_counts, aff)
+    assert stats.tokens == 300
+    np.testing.assert_allclose(stats.popularity.sum(1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(stats.affinity[0, ids[0, 0, 0]].sum(), 1.0, rtol=1e-6)
+
+    decode = compute_stats(trace, phase="decode")
+    prefill = compute_stats(trace, phase="prefill")
+    merged = prefill.merge(decode)
+    np.testing.assert_array_equal(merged.affinity_counts, aff)
+    assert (decode.tokens, prefill.tokens) == (200, 100)
+    np.testing.assert_array_equal(stats_from_ids(ids[100:], E).affinity_counts, decode.affinity_counts)
+
+    merged.save(tmp_path / "s.safetensors")
+    loaded = RoutingStats.load(tmp_path / "s.safetensors")
+    np.testing.assert_array_equal(loaded.affinity_counts, aff)
+    assert loaded.tokens == 300
+    with pytest.raises(ValueError, match="cannot merge"):
+        stats.merge(RoutingStats(np.zeros((3, E), int), np.zeros((2, E, E), int), 0))
+
+
+def test_split_is_by_request_and_deterministic(tmp_path):
+    ids = _random_ids(400, 1)
+    datasets = ["squad"] * 200 + ["orca-math"] * 200
+    trace = write_trace(tmp_path / "t", ids, np.arange(400) % 40, datasets=datasets)
+    table = load_routing([trace])
+    assert len(table.requests) == 80  # the same request id in two datasets is two requests
+    val = split_requests(table.requests, 0.25, seed=3)
+    assert val.tolist() == split_requests(table.requests, 0.25, seed=3).tolist()
+    assert val.tolist() != split_requests(table.requests, 0.25, seed=4).tolist()
+    val_token = val[table.request]
+    train_keys = {table.requests[r] for r in table.request[~val_token]}
+    val_keys = {table.requests[r] for r in table.request[val_token]}
+    assert train_keys and val_keys and not train_keys & val_keys
+    ex = make_examples(np.flatnonzero(val_token), L)
+    assert len(ex.token) == val_token.sum() * (L - 1) and set(ex.target.tolist()) == {1, 2, 3}
+    with pytest.raises(ValueError, match="cannot be split"):
+        split_requests([("squad", 1)], 0.1, 0)
+    with pytest.raises(ValueError, match="no trace rows match"):
+        load_routing([trace], phase="prefill")
+
+
+def test_predictor_features_by_hand():
+    spec = FeatureSpec(L, E, K, window=2)
+    pop = torch.rand(L, E)
+    aff = torch.rand(L - 1, E, E)
+    model = ExpertPredictor(spec, widths=(8,), popularity=pop, affinity=aff)
+    history = torch.tensor([[[0, 1], [2, 3], [4, 5], [1, 2]]])  # 1 x L x k
+    x = model.features(history, torch.tensor([1]))[0]
+    assert x.shape == (spec.input_dim,) == (2 * E + E + E + L,)
+    window = x[:2 * E].view(2, E)
+    assert window[0].sum() == 0  # layer -1 does not exist
+    assert window[1].nonzero().flatten().tolist() == [0, 1]  # layer 0's experts in the last slot
+    torch.testing.assert_close(x[2 * E:3 * E], pop[1])
+    torch.testing.assert_close(x[3 * E:4 * E], aff[0, 0] + aff[0, 1])
+    assert x[4 * E:].tolist() == [0, 1, 0, 0]
+    x3 = model.features(history, torch.tensor([3]))[0]
+    assert x3[:E].nonzero().flatten().tolist() == [2, 3] and x3[E:2 * E].nonzero().flatten().tolist() == [4, 5]
+    torch.testing.assert_close(x3[3 * E:4 * E], aff[2, 4] + aff[2, 5])
+    with pytest.raises(ValueError, match="history window"):
+        FeatureSpec(L, E, K, window=L)
+
+
+def test_topk_metrics_by_hand():
+    true = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]])
+    scores = torch.zeros(3, 8)
+    scores[0, [0, 1, 2, 3]] = 1  # exact
+    scores[1, [0, 1, 6, 7]] = 1  # half
+    scores[2, [0, 5, 6, 7]] = 1  # one of four
+    m = topk_metrics(scores, true, 8)
+    assert m["exact_topk"] == pytest.approx(1 / 3)
+    assert m["at_least_half"] == pytest.approx(2 / 3)
+    assert m["recall"] == pytest.approx((4 + 2 + 1) / 12)
