@@ -79,7 +79,7 @@ class ExpertPredictor(nn.Module):
             parts.append(popularity_scores(self.popularity, target))  # B x E
         if s.affinity:
             parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target))  # B x E, from layer t-1
-        parts.append(nn.functional.one_hot(target, s.num_layers).float())  # B x L
+        parts.append(torch.zeros(B, s.num_layers, device=history.device).scatter_(1, target[:, None], 1.0))  # B x L
         if s.nextgate:
             if nextgate is None:
                 raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")

@@ -1,0 +1,110 @@
+"""Predictor latency and memory for one token's next-layer prediction (batch 1).
+
+    python benchmarks/predictor_latency.py                       # CPU
+    python benchmarks/predictor_latency.py --device cuda         # eager, BN-folded and CUDA-graph, plus memory
+
+Geometry L=48, E=128, k=8 (Qwen3-30B-A3B's) with the paper's widths and random weights and
+statistics (latency does not depend on training). Reports the median per-call latency, each
+variant's speed-up over eager in the same run, and on CUDA the GPU memory the predictor holds.
+Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 300 MB.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from duoserve.predictor.fast import GraphedPredictor, fold_batchnorm
+from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
+
+
+def random_predictor(L: int, E: int, k: int, widths) -> ExpertPredictor:
+    torch.manual_seed(0)
+    pop = torch.rand(L, E)
+    aff = torch.rand(L - 1, E, E)
+    model = ExpertPredictor(FeatureSpec(L, E, k, L - 1), widths, 0.1, pop / pop.sum(1, keepdim=True),
+                            aff / aff.sum(2, keepdim=True))
+    for m in model.mlp:
+        if isinstance(m, torch.nn.BatchNorm1d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
+
+
+def time_calls(fn, device: torch.device, iters: int) -> float:
+    """Median seconds per call, each call synchronised (the latency a caller waiting on it sees)."""
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t)
+    return statistics.median(times[iters // 10:])
+
+
+@torch.no_grad()
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--layers", type=int, default=48)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    L, E, k = args.layers, args.experts, args.top_k
+
+    base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+    model = random_predictor(L, E, k, PAPER_WIDTHS).to(device)
+    params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
+    history = torch.randint(0, E, (1, L, k), device=device)
+    target = torch.tensor([L // 2], device=device)
+    variants = {"eager": lambda: model.predict(history, target)}
+    folded = fold_batchnorm(model)
+    variants["bn_folded"] = lambda: folded.predict(history, target)
+    if device.type == "cuda":
+        graphed = GraphedPredictor(model, batch_size=1, device=device)
+        variants["cuda_graph"] = lambda: graphed(history, target)
+        same = torch.equal(graphed(history, target).sort().values, model.predict(history, target).sort().values)
+        assert same, "graphed predictor disagrees with eager"
+    results = {}
+    for name, fn in variants.items():
+        for _ in range(20):
+            fn()
+        results[name] = time_calls(fn, device, args.iters)
+    report = {
+        "benchmark": "predictor_latency", "command": " ".join(sys.argv), "geometry": {"L": L, "E": E, "k": k},
+        "widths": list(PAPER_WIDTHS), "input_dim": model.spec.input_dim, "parameters_and_buffers": params,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
+        "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": 1,
+        "latency_ms": {n: t * 1e3 for n, t in results.items()},
+        "speedup_vs_eager": {n: results["eager"] / t for n, t in results.items()},
+    }
+    if device.type == "cuda":
+        del folded
+        torch.cuda.synchronize(device)
+        report["gpu_memory_mb"] = {
+            "held_by_predictor": (torch.cuda.memory_allocated(device) - base_mem) / 2**20,
+            "peak": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20,
+        }
+    for name, t in results.items():
+        print(f"{name:10s} {t * 1e3:8.3f} ms/call  ({results['eager'] / t:.2f}x vs eager)")
+    if "gpu_memory_mb" in report:
+        print(f"GPU memory held {report['gpu_memory_mb']['held_by_predictor']:.1f} MB, "
+              f"peak {report['gpu_memory_mb']['peak']:.1f} MB")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

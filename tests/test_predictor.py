@@ -1,0 +1,46 @@
+"""Low-latency predictor inference: BatchNorm folding (CPU) and CUDA-graph replay (GPU only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from duoserve.predictor.fast import GraphedPredictor, fold_batchnorm
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+
+L, E, K = 6, 16, 4
+
+
+def _trained_like() -> ExpertPredictor:
+    torch.manual_seed(0)
+    model = ExpertPredictor(FeatureSpec(L, E, K, window=3), widths=(64, 32), popularity=torch.rand(L, E),
+                            affinity=torch.rand(L - 1, E, E))
+    model.train()
+    with torch.no_grad():  # give BatchNorm non-trivial running statistics
+        for _ in range(5):
+            model(torch.randint(0, E, (64, L, K)), torch.randint(1, L, (64,)))
+    return model.eval()
+
+
+def test_folding_batchnorm_keeps_outputs():
+    model = _trained_like()
+    folded = fold_batchnorm(model)
+    assert not any(isinstance(m, (torch.nn.BatchNorm1d, torch.nn.Dropout)) for m in folded.mlp)
+    assert sum(isinstance(m, torch.nn.Linear) for m in folded.mlp) == 3
+    history, target = torch.randint(0, E, (32, L, K)), torch.randint(1, L, (32,))
+    with torch.no_grad():
+        torch.testing.assert_close(folded(history, target), model(history, target), rtol=1e-4, atol=1e-5)
+    assert any(isinstance(m, torch.nn.BatchNorm1d) for m in model.mlp)  # the original is untouched
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_graphed_predictor_matches_eager():
+    model = _trained_like().cuda()
+    graphed = GraphedPredictor(model, batch_size=2)
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        history = torch.randint(0, E, (2, L, K), generator=g).cuda()
+        target = torch.randint(1, L, (2,), generator=g).cuda()
+        expected = model.predict(history, target)
+        assert torch.equal(graphed(history, target).sort(1).values, expected.sort(1).values)
