@@ -68,10 +68,13 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     history = torch.randint(0, E, (1, L, k), device=device)
     target = torch.tensor([L // 2], device=device)
+    eager_mb = (torch.cuda.memory_allocated(device) - base_mem) / 2**20 if device.type == "cuda" else 0.0
     variants = {"eager": lambda: model.predict(history, target)}
     folded = fold_batchnorm(model)
     variants["bn_folded"] = lambda: folded.predict(history, target)
     if device.type == "cuda":
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
         graphed = GraphedPredictor(model, batch_size=1, device=device)
         variants["cuda_graph"] = lambda: graphed(history, target)
         same = torch.equal(graphed(history, target).sort().values, model.predict(history, target).sort().values)
@@ -90,17 +93,18 @@ def main() -> None:
         "speedup_vs_eager": {n: results["eager"] / t for n, t in results.items()},
     }
     if device.type == "cuda":
-        del folded
         torch.cuda.synchronize(device)
         report["gpu_memory_mb"] = {
-            "held_by_predictor": (torch.cuda.memory_allocated(device) - base_mem) / 2**20,
-            "peak": (torch.cuda.max_memory_allocated(device) - base_mem) / 2**20,
+            "eager_model": eager_mb,
+            "cuda_graph_predictor_held": (torch.cuda.memory_allocated(device) - before) / 2**20,
+            "cuda_graph_predictor_peak": (torch.cuda.max_memory_allocated(device) - before) / 2**20,
         }
     for name, t in results.items():
         print(f"{name:10s} {t * 1e3:8.3f} ms/call  ({results['eager'] / t:.2f}x vs eager)")
     if "gpu_memory_mb" in report:
-        print(f"GPU memory held {report['gpu_memory_mb']['held_by_predictor']:.1f} MB, "
-              f"peak {report['gpu_memory_mb']['peak']:.1f} MB")
+        mem = report["gpu_memory_mb"]
+        print(f"GPU memory: eager model {mem['eager_model']:.1f} MB; CUDA-graph predictor holds "
+              f"{mem['cuda_graph_predictor_held']:.1f} MB, peak {mem['cuda_graph_predictor_peak']:.1f} MB")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
