@@ -20,12 +20,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/duoserve-trace collect --out $(OUT)/traces
 	$(VENV)/bin/duoserve-trace info $(OUT)/traces
+	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
+	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(PY) benchmarks/trace_overhead.py
+	$(PY) benchmarks/trace_overhead.py --out benchmarks/results/trace_overhead_cpu.json
+	$(PY) benchmarks/predictor_latency.py --out benchmarks/results/predictor_latency_cpu.json
+	$(PY) benchmarks/stats_throughput.py --out benchmarks/results/stats_throughput_cpu.json
 
 clean:
 	rm -rf $(OUT)

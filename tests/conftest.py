@@ -15,7 +15,7 @@ COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_ke
 
 
 def _configs(vocab: int, pad: int, eos: int) -> dict:
-    from transformers import MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
 
     ids = dict(vocab_size=vocab, pad_token_id=pad, eos_token_id=eos, bos_token_id=eos)
     return {
@@ -23,10 +23,16 @@ def _configs(vocab: int, pad: int, eos: int) -> dict:
         "qwen3_moe": Qwen3MoeConfig(**COMMON, **ids, intermediate_size=32, moe_intermediate_size=16, num_experts=8,
                                     num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[], head_dim=8),
         "olmoe": OlmoeConfig(**COMMON, **ids, intermediate_size=16, num_experts=8, num_experts_per_tok=2),
+        # group-limited routing, a dense first layer and a shared expert
+        "deepseek_v3": DeepseekV3Config(**{**COMMON, "num_hidden_layers": 4, "num_key_value_heads": 4}, **ids,
+                                        intermediate_size=32, moe_intermediate_size=16, n_routed_experts=8,
+                                        n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                        first_k_dense_replace=1, q_lora_rank=None, kv_lora_rank=16,
+                                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8),
     }
 
 
-ARCHS = ["mixtral", "qwen3_moe", "olmoe"]
+ARCHS = ["mixtral", "qwen3_moe", "olmoe", "deepseek_v3"]
 
 
 @pytest.fixture(scope="session")
@@ -39,6 +45,9 @@ def save_random_model(config, tokenizer, path: Path, seed: int = 0) -> Path:
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config)
+    for name, buffer in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # trained DeepSeek checkpoints have non-zero biases
+            buffer.uniform_(-0.5, 0.5)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -81,3 +81,19 @@ def test_next_layer_is_predictable_above_chance(embedded_trace):
     random_choice = sum(comb(k, i) * comb(E - k, k - i) for i in range(ceil(k / 2), k + 1)) / comb(E, k)
     assert len(ids) > 500
     assert m["at_least_half"] > max(0.45, 1.6 * random_choice), (m, random_choice)
+
+
+def test_training_script_is_bit_for_bit_reproducible(tmp_path):
+    """Two short runs of scripts/train_embedded_moe.py give identical weights and tokenizer."""
+    import importlib.util
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "train_embedded_moe.py"
+    spec = importlib.util.spec_from_file_location("train_embedded_moe", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for run in ("a", "b"):
+        module.main(tmp_path / run, steps=6)
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (EMBEDDED_MODEL / "tokenizer.json").read_bytes()

@@ -42,9 +42,10 @@ class GraphedPredictor:
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
-                 device: str | torch.device = "cuda"):
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32):
         s = predictor.spec
         self.model = fold_batchnorm(predictor).to(device)
+        self.model.mlp.to(dtype)  # features stay float32; bfloat16 halves weight memory and reads
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None
@@ -56,7 +57,7 @@ class GraphedPredictor:
                 self._run()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph), torch.no_grad():
+        with torch.cuda.graph(self.graph, stream=side), torch.no_grad():  # one side stream: one cuBLAS workspace
             self.out = self._run()
 
     def _run(self) -> torch.Tensor:

@@ -89,7 +89,8 @@ class ExpertPredictor(nn.Module):
     def forward(self, history: torch.Tensor, target: torch.Tensor,
                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
         """B x E logits for the experts of layer ``target``."""
-        return self.mlp(self.features(history, target, nextgate))
+        x = self.features(history, target, nextgate)
+        return self.mlp(x.to(self.mlp[0].weight.dtype))
 
     @torch.no_grad()
     def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,

@@ -13,6 +13,7 @@ D look-ahead depth of the next-gate speculation.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -94,15 +95,14 @@ def _router_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tens
     return logits.topk(k, dim=-1).indices
 
 
-def _logit_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k of the router's linear logits: two kernels instead of the router's whole forward."""
-    weight = router.weight
-    return nn.functional.linear(hidden.to(weight.dtype), weight, getattr(router, "bias", None)).topk(k, dim=-1).indices
+def _logit_top_k(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor, k: int) -> torch.Tensor:
+    """Top-k of a router's linear logits: two kernels instead of the router's whole forward."""
+    return nn.functional.linear(hidden.to(weight.dtype), weight, bias).topk(k, dim=-1).indices
 
 
 @torch.no_grad()
-def _next_gate_fn(router: nn.Module, k: int):
-    """The cheapest exact way to get ``router``'s top-k ids.
+def next_gate_fn(router: nn.Module, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The cheapest exact way to get ``router``'s top-k ids for T x H hidden states.
 
     Most routers pick the top-k of a monotonic function (softmax, sigmoid) of their linear logits;
     then the logits' top-k is the same set at a fraction of the launches, which is what keeps
@@ -110,16 +110,18 @@ def _next_gate_fn(router: nn.Module, k: int):
     score-correction biases) fail the probe on random hidden states and keep their own forward.
     """
     weight = getattr(router, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        return _router_top_k
-    probe = torch.randn(256, weight.shape[1], generator=torch.Generator().manual_seed(0))
-    probe = probe.to(weight.device, weight.dtype)
-    try:
-        same = torch.equal(_router_top_k(router, probe, k).sort(-1).values,
-                           _logit_top_k(router, probe, k).sort(-1).values)
-    except (RuntimeError, ValueError):
-        same = False
-    return _logit_top_k if same else _router_top_k
+    bias = router.bias if isinstance(getattr(router, "bias", None), torch.Tensor) else None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+        probe = torch.randn(256, weight.shape[1], generator=torch.Generator().manual_seed(0))
+        probe = probe.to(weight.device, weight.dtype)
+        try:
+            same = torch.equal(_router_top_k(router, probe, k).sort(-1).values,
+                               _logit_top_k(weight, bias, probe, k).sort(-1).values)
+        except (RuntimeError, ValueError):
+            same = False
+        if same:
+            return lambda hidden: _logit_top_k(weight, bias, hidden, k)
+    return lambda hidden: _router_top_k(router, hidden, k)
 
 
 @dataclass
@@ -143,7 +145,7 @@ class RoutingRecorder:
             raise UnsupportedModelError("next-gate needs each MoE layer's router as a `gate` or `router` sibling of "
                                         "its experts module; pass lookahead=0 to trace without it")
         self.layers, self.top_k, self.lookahead = layers, top_k, lookahead
-        self._next_gate = [_next_gate_fn(layer.router, top_k) if lookahead and l else None
+        self._next_gate = [next_gate_fn(layer.router, top_k) if lookahead and l else None
                            for l, layer in enumerate(layers)]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._clear()
@@ -155,7 +157,7 @@ class RoutingRecorder:
         self._nextgate = {d: [[] for _ in range(L - d)] for d in range(1, self.lookahead + 1)}
 
     def _hook(self, l: int):
-        L, k = len(self.layers), self.top_k
+        L = len(self.layers)
         depths = range(1, min(self.lookahead, L - 1 - l) + 1)
 
         # Hot path: append the router's own tensors, no conversion or copy (pop() does that once).
@@ -165,7 +167,7 @@ class RoutingRecorder:
             self._ids[l].append(ids)  # T x k
             self._weights[l].append(weights)  # T x k
             for d in depths:
-                self._nextgate[d][l].append(self._next_gate[l + d](self.layers[l + d].router, hidden, k))  # T x k
+                self._nextgate[d][l].append(self._next_gate[l + d](hidden))  # T x k
 
         return pre_hook
 
