@@ -128,7 +128,6 @@ def _not_built(stage: str, issue: str) -> typer.Typer:
     return app
 
 
-eval_app = _not_built("duoserve-eval: accuracy report", "see the evaluation issue")
 run_app = _not_built("duoserve-run: dual-phase offload runtime", "see the runtime issue")
 
 
@@ -222,3 +221,97 @@ def fit_cmd(
                       f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(table)
     console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s")
+
+
+eval_app = typer.Typer(help="How well a predictor knows the next layer's experts, against the baselines (stage 4).",
+                       no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+def _print_overall(report) -> None:
+    for phase in ("decode", "prefill"):
+        overall = report.overall(phase)
+        if overall.empty:
+            continue
+        table = Table(title=f"{phase} tokens ({int(overall['examples'].iloc[0])} token-layer predictions)")
+        for col in ("scorer", "exact-top-k", "at-least-half", "recall", *(f"recall@{b}" for b in report.budgets[1:])):
+            table.add_column(col)
+        for name, row in overall.iterrows():
+            table.add_row(f"[bold]{name}[/]" if name == "trained MLP" else name, f"{row.exact_topk:.3f}",
+                          f"{row.at_least_half:.3f}", f"{row.recall:.3f}",
+                          *(f"{row[f'recall@{b}']:.3f}" for b in report.budgets[1:]))
+        console.print(table)
+
+
+@eval_app.command()
+def accuracy(
+    traces: Annotated[list[Path], typer.Option(help="Trace folder(s) to evaluate on (requests the predictor "
+                                                    "was trained on are skipped).")],
+    predictor: Annotated[Path, typer.Option(help="Predictor artifact folder (duoserve-train fit).")],
+    out: Annotated[Path, typer.Option(help="Report folder: report.json, report.md, plots.")] = Path("report"),
+    train_traces: Annotated[Optional[list[Path]], typer.Option(
+        help="Traces the predictor was trained on (for the baselines). [default: those in its config.json]")] = None,
+    baseline: Annotated[Optional[list[str]], typer.Option(
+        help="Baselines to include (repeatable). [default: all: popularity, affinity, activation-matrix, "
+             "next-gate, previous-token, logistic, oracle]")] = None,
+    extra_budget: Annotated[str, typer.Option(help="Extra experts fetched beyond k, comma-separated.")] = "1,2",
+    cross_task: Annotated[bool, typer.Option(help="Also fit per dataset and test on the others.")] = False,
+    learning_curve: Annotated[Optional[str], typer.Option(
+        help="Also fit on these shares of the training requests, e.g. 0.1,0.25,0.5,1.")] = None,
+    fit_epochs: Annotated[int, typer.Option(help="Epochs of the extra fits (cross-task, learning curve).")] = 3,
+) -> None:
+    """Accuracy of PREDICTOR and every baseline on unseen requests; writes report.json, report.md and plots."""
+    from dataclasses import replace
+
+    from duoserve.evaluate import accuracy as acc
+    from duoserve.evaluate import generalization
+    from duoserve.evaluate.report import markdown_table, write_report
+    from duoserve.predictor.artifact import load_predictor
+    from duoserve.train.fit import FitSettings
+
+    try:
+        with _progress() as progress:
+            task = progress.add_task("evaluating", total=None)
+            say = lambda text: progress.update(task, description=text)  # noqa: E731
+            report = acc.evaluate_accuracy(traces, predictor, train_traces, baseline or acc.BASELINES,
+                                           [int(b) for b in extra_budget.split(",") if b.strip()], say)
+            extra = ""
+            if cross_task or learning_curve:
+                config = load_predictor(predictor).config
+                base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
+                                   features=[f for f in ("popularity", "affinity", "nextgate")
+                                             if config["feature_spec"][f]], progress=False)
+                work = out / "fits"
+                if cross_task:
+                    ct = generalization.cross_task(traces, work, base, say)
+                    report.info["cross_task"] = ct.to_dict("records")
+                    pivot = ct.pivot_table(index=["scorer", "train"], columns="test", values="exact_topk")
+                    pivot.index = [f"{s} / trained on {t}" for s, t in pivot.index]
+                    extra += "## Cross-task (decode, exact-top-k)\n\n" + markdown_table(pivot, "scorer / train") + "\n\n"
+                if learning_curve:
+                    lc = generalization.learning_curve(traces, work, replace(base),
+                                                       [float(f) for f in learning_curve.split(",")], say)
+                    report.info["learning_curve"] = lc.to_dict("records")
+                    pivot = lc.pivot_table(index="train_fraction", columns="scorer", values="exact_topk")
+                    extra += ("## Learning curve (validation requests, all phases, exact-top-k)\n\n"
+                              + markdown_table(pivot, "train fraction") + "\n\n")
+            progress.update(task, description="writing the report")
+            write_report(report, out, report.stats, extra)
+    except _USER_ERRORS as err:
+        _fail(err)
+    _print_overall(report)
+    console.print(f"report: {out / 'report.md'}, {out / 'report.json'}, plots {', '.join(report.info['plots'])}")
+
+
+@eval_app.command()
+def report(folder: Annotated[Path, typer.Argument(help="Report folder written by duoserve-eval accuracy.")]) -> None:
+    """Print the summary tables of a saved report."""
+    from duoserve.evaluate.accuracy import load_report
+
+    try:
+        saved = load_report(folder)
+    except _USER_ERRORS as err:
+        _fail(err)
+    info = saved.info
+    console.print(f"[bold]{folder}[/]: predictor {info['predictor']}, {info['evaluated_requests']} unseen requests, "
+                  f"{info['examples']} token-layer predictions")
+    _print_overall(saved)

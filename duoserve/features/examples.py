@@ -30,6 +30,7 @@ class RoutingTable:
     request: np.ndarray  # N: index into ``requests``
     requests: list[tuple[str, int]]  # (dataset, request_id)
     decode: np.ndarray  # N bool: decode-phase token
+    position: np.ndarray  # N int32: position in the sequence
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -51,7 +52,7 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
                              f"k={t.meta.top_k}, unlike {traces[0].path}")
     L, k = meta.num_layers, meta.top_k
     with_ng = all(t.meta.lookahead >= 1 for t in traces)
-    cols = ["dataset", "request_id", "phase", "experts", *(["nextgate"] if with_ng else [])]
+    cols = ["dataset", "request_id", "phase", "position", "experts", *(["nextgate"] if with_ng else [])]
     tables = [t.dataset.to_table(columns=cols, filter=trace_filter(phase, list(datasets) if datasets else None))
               for t in traces]
     n = sum(t.num_rows for t in tables)
@@ -72,6 +73,7 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
         request=np.array([index[key] for key in keys], dtype=np.int64),
         requests=[(str(d), int(r)) for d, r in requests],
         decode=np.concatenate([t.column("phase").to_numpy(zero_copy_only=False) for t in tables]) == "decode",
+        position=np.concatenate([t.column("position").to_numpy() for t in tables]),
     )
 
 

@@ -36,6 +36,7 @@ class FitSettings:
     phase: str | None = None  # None: prefill and decode tokens
     datasets: Sequence[str] | None = None
     val_fraction: float = 0.1
+    train_fraction: float = 1.0  # share of the training requests used (learning curves)
     seed: int = 0
     window: int | None = None  # None: all previous layers
     widths: tuple[int, ...] = PAPER_WIDTHS
@@ -113,9 +114,18 @@ def fit(s: FitSettings) -> FitResult:
                        "nextgate" in s.features)
 
     val_request = split_requests(table.requests, s.val_fraction, s.seed)  # per request
-    val_token = val_request[table.request]  # per token
-    train, val = make_examples(np.flatnonzero(~val_token), L), make_examples(np.flatnonzero(val_token), L)
-    stats = stats_from_ids(table.ids[~val_token], E)  # training requests only: nothing leaks from validation
+    train_request = ~val_request
+    if not 0.0 < s.train_fraction <= 1.0:
+        raise ValueError(f"train fraction must be in (0, 1], got {s.train_fraction}")
+    if s.train_fraction < 1.0:
+        candidates = np.flatnonzero(train_request)
+        keep = np.random.default_rng(s.seed).choice(candidates, max(1, round(len(candidates) * s.train_fraction)),
+                                                    replace=False)
+        train_request = np.zeros_like(train_request)
+        train_request[keep] = True
+    val_token, train_token = val_request[table.request], train_request[table.request]  # per token
+    train, val = make_examples(np.flatnonzero(train_token), L), make_examples(np.flatnonzero(val_token), L)
+    stats = stats_from_ids(table.ids[train_token], E)  # training requests only: nothing leaks from validation
 
     work = _work_dir(s)
     run = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items() if k not in ("progress", "out")}
@@ -146,14 +156,15 @@ def fit(s: FitSettings) -> FitResult:
 
     best = PredictorModule.load_from_checkpoint(checkpoint.best_model_path, map_location="cpu").model
     metrics = validation_metrics(best, table, val)
-    train_requests = [r for r, v in zip(table.requests, val_request) if not v]
+    train_requests = [r for r, t in zip(table.requests, train_request) if t]
     info = {
         "geometry": {"num_layers": L, "num_experts": E, "top_k": k, "decoder_indices": meta.decoder_indices},
         "training_data": {"traces": [str(p) for p in s.traces], "model": meta.model, "revision": meta.revision,
                           "datasets": sorted({d for d, _ in table.requests}), "phase": s.phase or "all",
-                          "tokens": int((~val_token).sum()), "trace_generation": meta.generation},
+                          "tokens": int(train_token.sum()), "trace_generation": meta.generation},
         "split": {"rule": "sha1(f'{seed}:{dataset}:{request_id}') / 2**64 < val_fraction is validation",
-                  "seed": s.seed, "val_fraction": s.val_fraction, "train_requests": len(train_requests),
+                  "seed": s.seed, "val_fraction": s.val_fraction, "train_fraction": s.train_fraction,
+                  "train_requests": len(train_requests),
                   "val_requests": int(val_request.sum())},
         "training": {"epochs_run": trainer.current_epoch, "best_epoch_checkpoint": Path(checkpoint.best_model_path).name,
                      "lr": s.lr, "weight_decay": s.weight_decay, "batch_size": s.batch_size, "seed": s.seed},

@@ -1,0 +1,182 @@
+"""Accuracy of a trained predictor and every baseline on the requests it was not trained on.
+
+Shape legend: M examples (token, target layer), B a chunk, E experts, k top-k, nb budgets.
+
+Metrics per scorer, overall and per phase, dataset and layer: exact-top-k, at-least-half and
+recall@k, plus recall and precision when b = k + m experts are fetched.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import torch
+
+from duoserve.evaluate import scorers as S
+from duoserve.features.examples import RoutingTable, load_routing, make_examples
+from duoserve.features.stats import RoutingStats, stats_from_ids
+from duoserve.metrics import overlap
+from duoserve.predictor.artifact import load_predictor, trained_requests
+from duoserve.trace.format import open_trace
+
+BASELINES = ("popularity", "affinity", "activation-matrix", "next-gate", "previous-token", "logistic", "oracle")
+
+
+@dataclass
+class AccuracyReport:
+    table: pd.DataFrame  # one row per (scorer, phase, dataset, layer) group; "all" where aggregated
+    budgets: list[int]
+    info: dict = field(default_factory=dict)
+    stats: RoutingStats | None = None  # the baselines' statistics (not saved in report.json)
+
+    def overall(self, phase: str = "decode") -> pd.DataFrame:
+        t = self.table
+        return t[(t.phase == phase) & (t.dataset == "all") & (t.layer == "all")].set_index("scorer")
+
+    def to_json(self) -> dict:
+        return {"info": self.info, "budgets": self.budgets, "rows": self.table.to_dict("records")}
+
+
+def _subset(table: RoutingTable, tokens: np.ndarray) -> RoutingTable:
+    return RoutingTable(table.meta, table.ids[tokens], None if table.nextgate is None else table.nextgate[tokens],
+                        table.request[tokens], table.requests, table.decode[tokens], table.position[tokens])
+
+
+def hits_at_budgets(scorer: S.Scorer, ev: S.EvalSet, budgets: Sequence[int], chunk: int = 8192) -> np.ndarray:
+    """M x nb: routed experts among the scorer's top-b, for each budget b."""
+    out = np.zeros((len(ev), len(budgets)), dtype=np.int16)
+    top = max(budgets)
+    for start in range(0, len(ev), chunk):
+        idx = np.arange(start, min(start + chunk, len(ev)))
+        truth = torch.from_numpy(ev.table.ids[ev.examples.token[idx], ev.examples.target[idx]].astype(np.int64))
+        ranked = scorer.scores(ev, idx).float().topk(top, dim=1).indices  # B x max(b)
+        for j, b in enumerate(budgets):
+            out[idx, j] = overlap(ranked[:, :b], truth, ev.E).numpy()
+    return out
+
+
+def summarize(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[int]) -> pd.DataFrame:
+    """Group metrics: overall, per phase, per dataset and per layer."""
+    k = ev.k
+    tokens = ev.examples.token
+    labels = pd.DataFrame({
+        "phase": np.where(ev.table.decode[tokens], "decode", "prefill"),
+        "dataset": [ev.table.requests[r][0] for r in ev.table.request[tokens]],
+        "layer": ev.examples.target,
+    })
+    rows = []
+    for name, h in hits.items():
+        df = labels.copy()
+        df["exact_topk"] = h[:, 0] == k
+        df["at_least_half"] = h[:, 0] >= -(-k // 2)
+        df["recall"] = h[:, 0] / k
+        for j, b in enumerate(budgets):
+            df[f"recall@{b}"] = h[:, j] / k
+            df[f"precision@{b}"] = h[:, j] / b
+        metrics = [c for c in df.columns if c not in labels.columns]
+        for phase_df, phase in ((df, "all"), *((df[df.phase == p], p) for p in ("prefill", "decode"))):
+            if phase_df.empty:
+                continue
+            groups = [("all", "all", phase_df)]
+            groups += [(d, "all", g) for d, g in phase_df.groupby("dataset")]
+            groups += [("all", str(l), g) for l, g in phase_df.groupby("layer")]
+            for dataset, layer, g in groups:
+                rows.append({"scorer": name, "phase": phase, "dataset": dataset, "layer": layer,
+                             "examples": len(g), **g[metrics].mean().to_dict()})
+    return pd.DataFrame(rows)
+
+
+def _train_traces(predictor_config: dict, train_traces: Sequence[Path] | None) -> list[Path]:
+    if train_traces:
+        return list(train_traces)
+    listed = [Path(p) for p in predictor_config.get("training_data", {}).get("traces", [])]
+    if not listed or not all(p.exists() for p in listed):
+        raise FileNotFoundError(f"the predictor's training traces {[str(p) for p in listed]} are not here; pass "
+                                "--train-traces with them (baselines are built from the same training requests)")
+    return listed
+
+
+def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces: Sequence[Path] | None = None,
+                      baselines: Sequence[str] = BASELINES, extra_budgets: Sequence[int] = (1, 2),
+                      progress: Callable[[str], None] | None = None) -> AccuracyReport:
+    """Score the predictor and the baselines on every (token, layer) of the requests it was not trained on."""
+    unknown = set(baselines) - set(BASELINES)
+    if unknown:
+        raise ValueError(f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(BASELINES)}")
+    predictor = load_predictor(predictor_path)
+    opened = [open_trace(t) for t in traces]
+    meta = opened[0].meta
+    predictor.check_geometry(meta.num_layers, meta.num_experts, meta.top_k, "trace")
+    trained = trained_requests(predictor_path)
+
+    table = load_routing(opened)
+    unseen = np.array([table.requests[r] not in trained for r in table.request])
+    if not unseen.any():
+        raise ValueError(f"the predictor was trained on every request in {[str(t) for t in traces]}: "
+                         "evaluate it on other requests")
+    ev_table = _subset(table, np.flatnonzero(unseen))
+    if predictor.spec.nextgate and ev_table.nextgate is None:
+        raise ValueError("the predictor uses next-gate features but the traces have no nextgate column")
+    ev = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers))
+
+    train_table = load_routing([open_trace(t) for t in _train_traces(predictor.config, train_traces)])
+    in_train = np.array([train_table.requests[r] in trained for r in train_table.request])
+    train_table = _subset(train_table, np.flatnonzero(in_train))
+    stats = stats_from_ids(train_table.ids, meta.num_experts)
+    popularity, affinity = torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity)
+
+    k = meta.top_k
+    budgets = sorted({k, *(k + m for m in extra_budgets if 0 < k + m <= meta.num_experts)})
+    scorers: list[S.Scorer] = [S.TrainedPredictor(predictor)]
+    make = {
+        "popularity": lambda: S.Popularity(popularity),
+        "affinity": lambda: S.AffinityMarkov(affinity),
+        "activation-matrix": lambda: S.ActivationMatrix(train_table, ev),
+        "next-gate": lambda: S.NextGate() if ev_table.nextgate is not None else None,
+        "previous-token": lambda: S.PreviousToken(ev_table, popularity),
+        "logistic": lambda: S.LogisticBaseline(
+            predictor.spec, popularity, affinity,
+            S.EvalSet(train_table, make_examples(np.arange(len(train_table)), meta.num_layers))),
+        "oracle": lambda: S.Oracle(),
+    }
+    for name in baselines:
+        if progress:
+            progress(f"building {name}")
+        scorer = make[name]()
+        if scorer is not None:
+            scorers.append(scorer)
+    hits = {}
+    for scorer in scorers:
+        if progress:
+            progress(f"scoring {scorer.name}")
+        hits[scorer.name] = hits_at_budgets(scorer, ev, budgets)
+    info = {
+        "predictor": str(predictor_path), "predictor_config": predictor.config,
+        "traces": [str(t) for t in traces], "train_traces": [str(p) for p in _train_traces(predictor.config,
+                                                                                         train_traces)],
+        "geometry": {"num_layers": meta.num_layers, "num_experts": meta.num_experts, "top_k": k},
+        "evaluated_requests": int(len(np.unique(ev_table.request))),
+        "skipped_trained_requests": int(len(np.unique(table.request[~unseen]))),
+        "evaluated_tokens": len(ev_table), "examples": len(ev),
+        "scorers": {s.name: s.description for s in scorers},
+    }
+    return AccuracyReport(summarize(hits, ev, budgets), budgets, info, stats)
+
+
+def save_json(report: AccuracyReport, path: Path) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
+    tmp.replace(path)
+
+
+def load_report(folder: Path) -> AccuracyReport:
+    path = Path(folder) / "report.json"
+    if not path.exists():
+        raise FileNotFoundError(f"no report.json in {folder}; run duoserve-eval accuracy first")
+    data = json.loads(path.read_text())
+    return AccuracyReport(pd.DataFrame(data["rows"]), data["budgets"], data["info"])

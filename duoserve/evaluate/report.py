@@ -1,0 +1,116 @@
+"""The accuracy report on disk: report.json (every number and what produced it), report.md, PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from duoserve.evaluate.accuracy import AccuracyReport, save_json
+from duoserve.features.stats import RoutingStats
+
+HEADLINE = ["examples", "exact_topk", "at_least_half", "recall"]
+
+
+def markdown_table(df: pd.DataFrame, index_name: str) -> str:
+    cols = list(df.columns)
+    lines = [f"| {index_name} | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    ints = {c for c in cols if pd.api.types.is_integer_dtype(df[c])}
+    for idx, row in zip(df.index, df.itertuples(index=False)):
+        cells = [str(v) if c in ints else f"{v:.3f}" if isinstance(v, float) else str(v) for c, v in zip(cols, row)]
+        lines.append(f"| {idx} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def per_layer(report: AccuracyReport, phase: str, metric: str) -> pd.DataFrame:
+    t = report.table
+    t = t[(t.phase == phase) & (t.dataset == "all") & (t.layer != "all")]
+    return t.pivot(index="layer", columns="scorer", values=metric).sort_index(key=lambda s: s.astype(int))
+
+
+def to_markdown(report: AccuracyReport, extra: str = "") -> str:
+    info, k = report.info, report.info["geometry"]["top_k"]
+    parts = [
+        "# Expert-prediction accuracy report", "",
+        f"Predictor `{info['predictor']}` on traces {', '.join(f'`{t}`' for t in info['traces'])}: "
+        f"{info['evaluated_requests']} requests it was not trained on ({info['evaluated_tokens']} tokens, "
+        f"{info['examples']} token-layer predictions); {info['skipped_trained_requests']} trained-on requests "
+        f"skipped. Geometry L={info['geometry']['num_layers']}, E={info['geometry']['num_experts']}, k={k}. "
+        "Baselines use the predictor's training requests only.", "",
+    ]
+    for phase in ("decode", "prefill", "all"):
+        overall = report.overall(phase)
+        if overall.empty:
+            continue
+        parts += [f"## {phase} tokens", "", markdown_table(overall[HEADLINE], "scorer"), ""]
+    decode = report.overall("decode")
+    if not decode.empty and "next-gate" in decode.index:
+        mlp, ng = decode.loc["trained MLP", "exact_topk"], decode.loc["next-gate", "exact_topk"]
+        verdict = "ahead of" if mlp > ng else "behind"
+        parts += [f"On decode tokens the trained MLP is **{verdict}** the next-gate speculation on exact-top-k "
+                  f"({mlp:.3f} vs {ng:.3f}).", ""]
+    budgets = [c for c in report.table.columns if c.startswith(("recall@", "precision@"))]
+    parts += ["## Fetching more than k (decode)", "",
+              markdown_table(report.overall("decode" if not decode.empty else "all")[budgets], "scorer"), ""]
+    t = report.table
+    by_dataset = t[(t.phase == "decode") & (t.layer == "all") & (t.dataset != "all")]
+    if not by_dataset.empty:
+        parts += ["## Per dataset (decode, exact-top-k)", "",
+                  markdown_table(by_dataset.pivot(index="scorer", columns="dataset", values="exact_topk"), "scorer"), ""]
+    parts += ["## Per layer (decode, exact-top-k)", "",
+              markdown_table(per_layer(report, "decode" if not decode.empty else "all", "exact_topk"), "layer"), ""]
+    parts += ["## Scorers", "", *(f"- **{n}**: {d}" for n, d in info["scorers"].items()), "", extra]
+    return "\n".join(parts)
+
+
+def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> list[Path]:
+    """per_layer.png, popularity.png, affinity.png; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    phase = "decode" if not report.overall("decode").empty else "all"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    for ax, metric in zip(axes, ("exact_topk", "at_least_half")):
+        data = per_layer(report, phase, metric).drop(columns=["oracle"], errors="ignore")
+        for col in data.columns:
+            ax.plot(data.index.astype(int), data[col], marker="o", label=col)
+        ax.set(xlabel="predicted layer", ylabel=metric.replace("_", "-"), title=f"{metric} per layer ({phase})",
+               ylim=(0, 1.02))
+    axes[1].legend(fontsize=7)
+    fig.tight_layout()
+    written.append(out / "per_layer.png")
+    fig.savefig(written[-1], dpi=110)
+    plt.close(fig)
+    if stats is not None:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        im = ax.imshow(stats.popularity, aspect="auto", cmap="viridis")
+        ax.set(xlabel="expert", ylabel="MoE layer", title="popularity (training requests)")
+        fig.colorbar(im)
+        written.append(out / "popularity.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+        pairs = min(4, stats.affinity.shape[0])
+        fig, axes = plt.subplots(1, pairs, figsize=(4 * pairs, 4), squeeze=False)
+        for l, ax in zip(np.linspace(0, stats.affinity.shape[0] - 1, pairs).astype(int), axes[0]):
+            ax.imshow(stats.affinity[l], cmap="magma")
+            ax.set(title=f"affinity layer {l} -> {l + 1}", xlabel="expert at l+1", ylabel="expert at l")
+        fig.tight_layout()
+        written.append(out / "affinity.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
+    return written
+
+
+def write_report(report: AccuracyReport, out: Path, stats: RoutingStats | None = None, extra_md: str = "") -> Path:
+    """Write report.json, report.md and the plots into ``out``."""
+    out.mkdir(parents=True, exist_ok=True)
+    report.info["plots"] = [p.name for p in plot_all(report, stats, out)]
+    save_json(report, out / "report.json")
+    tmp = out / ".report.md.tmp"
+    tmp.write_text(to_markdown(report, extra_md))
+    tmp.replace(out / "report.md")
+    return out
