@@ -22,6 +22,7 @@ demo: setup
 	$(VENV)/bin/duoserve-trace info $(OUT)/traces
 	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
 	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
+	$(VENV)/bin/duoserve-eval accuracy --traces $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report
 
 test: setup
 	$(PY) -m pytest -q
