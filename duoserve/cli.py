@@ -117,6 +117,70 @@ def info(path: Annotated[Path, typer.Argument(help="Trace folder or part file.")
     console.print(usage)
 
 
+@trace_app.command("import")
+def import_cmd(
+    source: Annotated[Path, typer.Argument(help="Log file, or a folder of them.")],
+    out: Annotated[Path, typer.Option(help="New trace folder.")],
+    format: Annotated[str, typer.Option(help="long (jsonl/csv/parquet rows per token and layer), sglang "
+                                             "(per_token recorder .pt dumps) or npy (.npy/.npz arrays).")] = "long",
+    request: Annotated[str, typer.Option(help="long: request id column.")] = "request_id",
+    token: Annotated[str, typer.Option(help="long: token index (position) column.")] = "token",
+    layer: Annotated[str, typer.Option(help="long: MoE layer column (0-based).")] = "layer",
+    experts: Annotated[str, typer.Option(help="long: column of the layer's top-k expert ids.")] = "experts",
+    scores: Annotated[Optional[str], typer.Option(help="long: column of router weights, if any.")] = None,
+    dataset_column: Annotated[Optional[str], typer.Option(help="long: column naming each row's dataset.")] = None,
+    phase_column: Annotated[Optional[str], typer.Option(help="long: column with prefill/decode.")] = None,
+    token_id_column: Annotated[Optional[str], typer.Option(help="long: column with the token id.")] = None,
+    dataset: Annotated[str, typer.Option(help="Dataset name when no column gives it.")] = "imported",
+    phase: Annotated[str, typer.Option(help="Phase when no column gives it.")] = "decode",
+    layout: Annotated[str, typer.Option(help="npy: lt = [layers, tokens, k], tl = [tokens, layers, k].")] = "lt",
+    num_layers: Annotated[Optional[int], typer.Option(help="Declared MoE layers (checked). [default: inferred]")]
+    = None,
+    num_experts: Annotated[Optional[int], typer.Option(help="Declared experts (checked). [default: max id + 1]")]
+    = None,
+    top_k: Annotated[Optional[int], typer.Option(help="Declared top-k (checked). [default: inferred]")] = None,
+    model: Annotated[str, typer.Option(help="Model name to record in the trace metadata.")] = "imported",
+) -> None:
+    """Convert routing logs from serving engines (vLLM, SGLang, your own) into a duoserve trace."""
+    from duoserve.trace.importers import ImportSettings, import_trace
+
+    settings = ImportSettings(source=source, out=out, format=format, request=request, token=token, layer=layer,
+                              experts=experts, scores=scores, dataset_column=dataset_column, phase_column=phase_column,
+                              token_id_column=token_id_column, dataset=dataset, phase=phase, layout=layout,
+                              num_layers=num_layers, num_experts=num_experts, top_k=top_k, model=model)
+    try:
+        with _progress() as progress:
+            task = progress.add_task("importing (tokens)", total=None)
+            result = import_trace(settings, lambda n: progress.update(task, completed=n))
+    except _USER_ERRORS as err:
+        _fail(err)
+    L, E, k = result.geometry
+    table = Table(title=f"import -> {result.out}")
+    for col in ("format", "L x E, k", "tokens", "dropped (missing layers)", "inferred", "seconds"):
+        table.add_column(col)
+    table.add_row(format, f"{L} x {E}, {k}", str(result.tokens), str(result.dropped),
+                  ", ".join(result.inferred) or "-", f"{result.seconds:.1f}")
+    console.print(table)
+    if result.dropped:
+        err_console.print(f"[yellow]warning:[/] {result.dropped} token(s) lacked some layer and were dropped")
+
+
+@trace_app.command("export")
+def export_cmd(
+    path: Annotated[Path, typer.Argument(help="Trace folder.")],
+    out: Annotated[Path, typer.Option(help="Long JSON-lines file, one row per (request, token, layer).")],
+) -> None:
+    """Write a trace as long JSON lines (the `import --format long` input, with every field)."""
+    from duoserve.trace.format import open_trace
+    from duoserve.trace.importers import export_long
+
+    try:
+        rows = export_long(open_trace(path), out)
+    except _USER_ERRORS as err:
+        _fail(err)
+    console.print(f"{rows} rows -> {out}")
+
+
 def _not_built(stage: str, issue: str) -> typer.Typer:
     app = typer.Typer(help=f"{stage} (not yet built).", pretty_exceptions_enable=False)
 

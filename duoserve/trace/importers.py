@@ -1,0 +1,425 @@
+"""Import routing logs from serving engines into duoserve's trace format, and export traces as long rows.
+
+Formats (shape legend: n rows, T tokens, L MoE layers, E experts, k top-k):
+- ``long``: JSON lines, CSV or Parquet with one row per (request, token, layer) and that layer's
+  expert ids (a list; in CSV a string such as "[3, 7]" or "3 7"). Column names are options.
+  Streams in record batches: memory stays bounded when each token's rows lie close together.
+- ``sglang``: SGLang expert-distribution recorder dumps in per_token mode (``.pt`` files holding
+  ``records`` with ``topk_ids_of_layer`` shaped [layers, T, k], -1 in unused slots, and
+  ``forward_pass_id`` / ``forward_mode``). SGLang records no request id: each forward pass
+  becomes one request; decode passes (forward_mode 2) are tagged decode. Physical expert ids are
+  mapped to logical ones through ``last_physical_to_logical_map`` when the dump has it. Layers
+  that never route (dense layers) are not MoE layers and are left out.
+- ``npy``: a ``.npy`` array (one request) or ``.npz`` (one request per array, in key order) shaped
+  [L, T, k] (``layout='lt'``) or [T, L, k] (``'tl'``), -1 in unused slots.
+
+The long format streams; a ``.pt`` or ``.npy``/``.npz`` file is read whole. A token missing any
+MoE layer is dropped and counted, never silently. Duplicate rows, expert ids
+out of range, ragged k and mixed geometry are errors that name the file and row. The trace
+appears at ``out`` only when the import finished (written in a temporary folder, then renamed).
+Unknown per-token fields get placeholders: token_id -1, scores NaN.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+import duoserve
+from duoserve.trace.format import Trace, TraceMeta
+from duoserve.trace.writer import TraceWriter
+
+FORMATS = ("long", "sglang", "npy")
+SGLANG_DECODE = 2  # ForwardMode.DECODE
+
+
+class ImportFormatError(ValueError):
+    """The source does not hold what its format promises; the message names file and row."""
+
+
+@dataclass
+class ImportSettings:
+    source: Path
+    out: Path
+    format: str = "long"
+    request: str = "request_id"  # long-format column names
+    token: str = "token"
+    layer: str = "layer"
+    experts: str = "experts"
+    scores: str | None = None
+    dataset_column: str | None = None
+    phase_column: str | None = None
+    token_id_column: str | None = None
+    dataset: str = "imported"  # constant dataset / phase when no column gives them
+    phase: str = "decode"
+    layout: str = "lt"  # npy: [L, T, k] or [T, L, k]
+    num_layers: int | None = None  # declared geometry (checked); inferred when None
+    num_experts: int | None = None
+    top_k: int | None = None
+    model: str = "imported"
+    batch_rows: int = 1 << 20
+    rows_per_part: int = 200_000
+
+
+@dataclass
+class ImportResult:
+    out: Path
+    tokens: int
+    dropped: int  # tokens missing some layer
+    geometry: tuple[int, int, int]
+    inferred: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Tokens:
+    """A block of complete tokens ready to write."""
+
+    request: np.ndarray  # T
+    position: np.ndarray  # T
+    ids: np.ndarray  # T x L x k
+    scores: np.ndarray | None = None  # T x L x k
+    dataset: np.ndarray | None = None  # T strings
+    phase: np.ndarray | None = None  # T strings
+    token_id: np.ndarray | None = None  # T
+
+
+def _line(fmt: str, row: int) -> str:
+    return {"jsonl": f"line {row + 1}", "json": f"line {row + 1}", "csv": f"line {row + 2}"}.get(fmt, f"row {row}")
+
+
+def _long_batches(path: Path, s: ImportSettings) -> Iterator[pa.RecordBatch]:
+    import pyarrow.csv as pcsv
+    import pyarrow.json as pjson
+    import pyarrow.parquet as pq
+
+    suffix = path.suffix.lstrip(".")
+    if suffix in ("jsonl", "json"):
+        reader = pjson.open_json(path, read_options=pjson.ReadOptions(block_size=64 << 20))
+    elif suffix == "csv":
+        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=64 << 20),
+                               convert_options=pcsv.ConvertOptions(column_types={s.experts: pa.string()}))
+    elif suffix == "parquet":
+        reader = pq.ParquetFile(path).iter_batches(batch_size=s.batch_rows)
+    else:
+        raise ImportFormatError(f"{path}: long format reads .jsonl, .json, .csv or .parquet, not {path.suffix!r}")
+    yield from reader
+
+
+def _list_column(batch: pa.RecordBatch, name: str, path: Path, value_type: pa.DataType = pa.int64()) -> pa.Array:
+    if name not in batch.schema.names:
+        raise ImportFormatError(f"{path}: no column {name!r}; columns are {batch.schema.names} "
+                                "(map them with --request/--token/--layer/--experts/--scores)")
+    col = batch.column(name)
+    if pa.types.is_string(col.type) or pa.types.is_large_string(col.type):  # CSV: "[3, 7]" or "3 7"
+        col = pc.split_pattern_regex(pc.utf8_trim(pc.replace_substring_regex(col, r"[\[\]]", ""), " ,;"), r"[ ,;]+")
+        col = col.cast(pa.list_(value_type), safe=False)
+    return col
+
+
+def _column(batch: pa.RecordBatch, name: str, path: Path) -> np.ndarray:
+    if name not in batch.schema.names:
+        raise ImportFormatError(f"{path}: no column {name!r}; columns are {batch.schema.names}")
+    return batch.column(name).to_numpy(zero_copy_only=False)
+
+
+def _fixed(col: pa.Array, k: int | None, path: Path, fmt: str, offset: int, what: str) -> np.ndarray:
+    """n x k values of a list column, refusing ragged rows."""
+    lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
+    k = int(lengths[0]) if k is None and len(lengths) else k
+    bad = np.flatnonzero(lengths != k)
+    if len(bad):
+        raise ImportFormatError(f"{path} {_line(fmt, offset + bad[0])}: {what} has {lengths[bad[0]]} values, "
+                                f"expected k={k} (ragged top-k)")
+    return pc.list_flatten(col).to_numpy(zero_copy_only=False).reshape(len(lengths), k)
+
+
+class _LongPivot:
+    """Turns long rows into complete tokens batch by batch, carrying tokens whose layers are still missing."""
+
+    def __init__(self, s: ImportSettings, L: int, E: int, k: int, path: Path):
+        self.s, self.L, self.E, self.k, self.path = s, L, E, k, path
+        self.fmt = path.suffix.lstrip(".")
+        self.carry: dict[str, np.ndarray] | None = None
+        self.emitted: list[np.ndarray] = []  # (dataset code, request, token) of written tokens: late duplicates
+        self.codes: dict[str, int] = {}  # dataset name -> code, so requests of two datasets stay apart
+
+    def rows(self, batch: pa.RecordBatch, offset: int) -> dict[str, np.ndarray]:
+        s, path = self.s, self.path
+        ids = _fixed(_list_column(batch, s.experts, path), self.k, path, self.fmt, offset, "experts")
+        layer = _column(batch, s.layer, path).astype(np.int64)
+        cols = {"row": offset + np.arange(len(layer)), "request": _column(batch, s.request, path).astype(np.int64),
+                "token": _column(batch, s.token, path).astype(np.int64), "layer": layer, "ids": ids}
+        for what, values, limit in (("expert id", ids, self.E), ("layer", layer, self.L)):
+            bad = np.flatnonzero(((values < 0) | (values >= limit)).reshape(len(layer), -1).any(1))
+            if len(bad):
+                raise ImportFormatError(f"{path} {_line(self.fmt, offset + bad[0])}: {what} "
+                                        f"{values[bad[0]].tolist()} out of range 0..{limit - 1}")
+        if s.scores:
+            cols["scores"] = _fixed(_list_column(batch, s.scores, path, pa.float64()), self.k, path, self.fmt, offset,
+                                    "scores")
+        for key, name in (("dataset", s.dataset_column), ("phase", s.phase_column), ("token_id", s.token_id_column)):
+            if name:
+                cols[key] = _column(batch, name, path)
+        names, inverse = np.unique(cols["dataset"], return_inverse=True) if "dataset" in cols else ([""], 0)
+        cols["dcode"] = np.array([self.codes.setdefault(str(n), len(self.codes)) for n in names])[inverse] \
+            + np.zeros(len(layer), np.int64)
+        return cols
+
+    def push(self, cols: dict[str, np.ndarray]) -> _Tokens | None:
+        if self.carry is not None:
+            cols = {k: np.concatenate([self.carry[k], v]) for k, v in cols.items()}
+        order = np.lexsort((cols["layer"], cols["token"], cols["request"], cols["dcode"]))
+        cols = {k: v[order] for k, v in cols.items()}
+        key = np.stack([cols["dcode"], cols["request"], cols["token"]], axis=1)  # n x 3: one token
+        new_token = np.r_[True, (key[1:] != key[:-1]).any(1)]
+        same = ~new_token[1:] & (cols["layer"][1:] == cols["layer"][:-1])
+        if same.any():
+            i = np.flatnonzero(same)[0]
+            raise ImportFormatError(
+                f"{self.path}: duplicate rows for request {cols['request'][i]}, token {cols['token'][i]}, layer "
+                f"{cols['layer'][i]} ({_line(self.fmt, cols['row'][i])} and {_line(self.fmt, cols['row'][i + 1])})")
+        starts = np.flatnonzero(new_token)
+        counts = np.diff(np.r_[starts, len(key)])
+        done = np.repeat(counts == self.L, counts)
+        self.carry = {k: v[~done] for k, v in cols.items()}
+        if not done.any():
+            return None
+        cols = {k: v[done] for k, v in cols.items()}
+        first = cols["layer"] == 0  # one row per complete token
+        self.emitted.append(key[done][first])
+        T = int(first.sum())
+        return _Tokens(cols["request"][first], cols["token"][first], cols["ids"].reshape(T, self.L, self.k),
+                       cols["scores"].reshape(T, self.L, self.k) if "scores" in cols else None,
+                       cols["dataset"][first] if "dataset" in cols else None,
+                       cols["phase"][first] if "phase" in cols else None,
+                       cols["token_id"][first] if "token_id" in cols else None)
+
+    def finish(self) -> int:
+        """Tokens still missing layers (dropped); raises if a token was written twice."""
+        keys = np.concatenate(self.emitted) if self.emitted else np.zeros((0, 3), np.int64)
+        unique, counts = np.unique(keys, axis=0, return_counts=True)
+        if (counts > 1).any():
+            _, request, token = unique[counts > 1][0]
+            raise ImportFormatError(f"{self.path}: request {request}, token {token} appears twice with all "
+                                    f"{self.L} layers (duplicate rows)")
+        if self.carry is None or not len(self.carry["request"]):
+            return 0
+        return len(np.unique(np.stack([self.carry["dcode"], self.carry["request"], self.carry["token"]], 1), axis=0))
+
+
+def _scan_long(path: Path, s: ImportSettings) -> tuple[int, int, int]:
+    """L, E, k from a first pass over the layer and experts columns; k is the first row's, checked on all."""
+    L = E = -1
+    k, offset, fmt = s.top_k, 0, path.suffix.lstrip(".")
+    for batch in _long_batches(path, s):
+        col = _list_column(batch, s.experts, path)
+        if len(col):
+            ids = _fixed(col, k, path, fmt, offset, "experts")
+            k = ids.shape[1]
+            bad = np.flatnonzero(((ids < 0) | (ids >= (s.num_experts or 1 << 62))).any(1))
+            if len(bad):
+                limit = f"out of range 0..{s.num_experts - 1}" if s.num_experts else "negative"
+                raise ImportFormatError(f"{path} {_line(fmt, offset + bad[0])}: expert id {ids[bad[0]].tolist()} "
+                                        f"{limit}")
+            L = max(L, int(pc.max(batch.column(s.layer)).as_py()))
+            E = max(E, int(ids.max()))
+        offset += batch.num_rows
+    if L < 0:
+        raise ImportFormatError(f"{path} holds no rows")
+    return L + 1, E + 1, k
+
+
+def _sglang_tokens(path: Path) -> Iterator[_Tokens | int]:
+    import torch
+
+    try:
+        payload = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ImportFormatError(f"{path}: not a readable SGLang dump ({err})") from err
+    records = payload.get("records") if isinstance(payload, dict) else None
+    if not records or "topk_ids_of_layer" not in records[0]:
+        raise ImportFormatError(f"{path}: no per_token records (need 'records' with 'topk_ids_of_layer'; record "
+                                "with SGLang's expert distribution recorder in per_token mode)")
+    mapping = payload.get("last_physical_to_logical_map")
+    arrays = []
+    for i, r in enumerate(records):
+        ids = r["topk_ids_of_layer"].to(torch.int64)  # layers x T x k
+        if ids.dim() != 3:
+            raise ImportFormatError(f"{path} record {i}: topk_ids_of_layer has shape {tuple(ids.shape)}, "
+                                    "expected [layers, tokens, k]")
+        if mapping is not None:
+            table = torch.as_tensor(mapping).to(torch.int64)  # layers x physical experts
+            ids = torch.where(ids >= 0, table.gather(1, ids.clamp(min=0).flatten(1)).view_as(ids), ids)
+        arrays.append((i, r, ids.permute(1, 0, 2).numpy()))  # T x layers x k
+    moe = np.zeros(arrays[0][2].shape[1], dtype=bool)
+    for _, _, a in arrays:
+        if a.shape[1:] != arrays[0][2].shape[1:]:
+            raise ImportFormatError(f"{path}: records of different geometry {a.shape[1:]} and "
+                                    f"{arrays[0][2].shape[1:]}")
+        moe |= (a >= 0).any(axis=(0, 2))
+    for i, r, a in arrays:
+        a = a[:, moe]
+        yield from _complete_tokens(a, np.full(len(a), int(r.get("forward_pass_id", i))), path, f"record {i}",
+                                    "decode" if int(r.get("forward_mode", 0)) == SGLANG_DECODE else "prefill")
+
+
+def _complete_tokens(a: np.ndarray, request: np.ndarray, path: Path, where: str,
+                     phase: str | None = None) -> Iterator[_Tokens | int]:
+    """Tokens of a T x L x k array with -1 in unused slots: complete ones, then the count of dropped ones."""
+    used = a >= 0
+    partial = used.any(2) & ~used.all(2)
+    if partial.any():
+        t, l = np.argwhere(partial)[0]
+        raise ImportFormatError(f"{path} {where}, token {t}, layer {l}: {used[t, l].sum()} of {a.shape[2]} slots "
+                                "used (ragged top-k)")
+    complete = used.all(axis=(1, 2))
+    empty = ~used.any(axis=(1, 2))
+    if complete.any():
+        T = int(complete.sum())
+        yield _Tokens(request[complete], np.flatnonzero(complete), a[complete],
+                      phase=np.full(T, phase, dtype=object) if phase else None)
+    yield int((~complete & ~empty).sum())
+
+
+def _npy_tokens(path: Path, s: ImportSettings) -> Iterator[_Tokens | int]:
+    if s.layout not in ("lt", "tl"):
+        raise ValueError(f"layout must be 'lt' ([layers, tokens, k]) or 'tl' ([tokens, layers, k]), not {s.layout!r}")
+    loaded = np.load(path, mmap_mode="r") if path.suffix == ".npy" else np.load(path)
+    items = [("0", loaded)] if path.suffix == ".npy" else [(key, loaded[key]) for key in loaded.files]
+    for request, (key, a) in enumerate(items):
+        if a.ndim != 3:
+            raise ImportFormatError(f"{path} array {key!r}: shape {a.shape}, expected 3 dimensions")
+        a = np.asarray(a, dtype=np.int64)
+        if s.layout == "lt":
+            a = a.transpose(1, 0, 2)
+        yield from _complete_tokens(a, np.full(len(a), request), path, f"array {key!r}")
+
+
+def _source_files(source: Path, fmt: str) -> list[Path]:
+    if not source.exists():
+        raise FileNotFoundError(f"no such file or folder: {source}")
+    suffixes = {"long": (".jsonl", ".json", ".csv", ".parquet"), "sglang": (".pt",), "npy": (".npy", ".npz")}[fmt]
+    files = sorted(f for f in source.iterdir() if f.suffix in suffixes) if source.is_dir() else [source]
+    if not files:
+        raise ImportFormatError(f"{source}: no {'/'.join(suffixes)} files for format {fmt!r}")
+    return files
+
+
+def _check_geometry(found: tuple[int, int, int], s: ImportSettings, path: Path) -> tuple[tuple[int, int, int], list]:
+    declared = (s.num_layers, s.num_experts, s.top_k)
+    names = ("num_layers", "num_experts", "top_k")
+    for name, d, f in zip(names, declared, found):
+        if d is not None and (f > d if name == "num_experts" else f != d):
+            raise ImportFormatError(f"{path}: {name} is {f} in the data but declared {d}")
+    geometry = tuple(d if d is not None else f for d, f in zip(declared, found))
+    return geometry, [n for n, d in zip(names, declared) if d is None]
+
+
+def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = None) -> ImportResult:
+    """Convert ``s.source`` into a trace folder at ``s.out``; ``progress(tokens)`` reports as it goes."""
+    start = time.time()
+    if s.format not in FORMATS:
+        raise ValueError(f"unknown format {s.format!r}; choose from {', '.join(FORMATS)}")
+    if s.out.exists() and (not s.out.is_dir() or any(s.out.iterdir())):
+        raise FileExistsError(f"--out {s.out} exists and is not an empty folder")
+    files = _source_files(s.source, s.format)
+
+    if s.format == "long":
+        found = tuple(max(v) for v in zip(*(_scan_long(f, s) for f in files))) \
+            if None in (s.num_layers, s.num_experts, s.top_k) else (s.num_layers, s.num_experts, s.top_k)
+    else:
+        blocks = [b for f in files for b in (_sglang_tokens(f) if s.format == "sglang" else _npy_tokens(f, s))]
+        arrays = [b.ids for b in blocks if isinstance(b, _Tokens)]
+        if not arrays:
+            raise ImportFormatError(f"{s.source}: no complete token in the data")
+        found = (arrays[0].shape[1], int(max(a.max() for a in arrays)) + 1, arrays[0].shape[2])
+    (L, E, k), inferred = _check_geometry(found, s, files[0])
+    if L < 2:
+        raise ImportFormatError(f"{s.source}: {L} MoE layer(s); a trace needs at least 2")
+
+    meta = TraceMeta(model=s.model, num_layers=L, num_experts=E, top_k=k, decoder_indices=list(range(L)),
+                     datasets=[{"name": s.dataset, "source": f"import:{s.format}:{s.source}"}],
+                     package_version=duoserve.__version__,
+                     generation={"imported_from": s.format, "inferred": inferred})
+    s.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{s.out.name}.", dir=s.out.parent))
+    try:
+        writer = TraceWriter(tmp, meta, rows_per_part=s.rows_per_part)
+        tokens = dropped = 0
+
+        def write(block: _Tokens) -> None:
+            nonlocal tokens
+            T = len(block.request)
+            writer.add({
+                "request_id": block.request.astype(np.int64),
+                "dataset": block.dataset if block.dataset is not None else np.full(T, s.dataset, dtype=object),
+                "phase": block.phase if block.phase is not None else np.full(T, s.phase, dtype=object),
+                "position": block.position.astype(np.int32),
+                "token_id": (block.token_id if block.token_id is not None else np.full(T, -1)).astype(np.int32),
+                "experts": block.ids.reshape(T, -1).astype(np.int16),
+                "scores": (block.scores.reshape(T, -1) if block.scores is not None
+                           else np.full((T, L * k), np.nan)).astype(np.float16),
+            })
+            tokens += T
+            if progress:
+                progress(tokens)
+
+        if s.format == "long":
+            for f in files:
+                pivot, offset = _LongPivot(s, L, E, k, f), 0
+                for batch in _long_batches(f, s):
+                    block = pivot.push(pivot.rows(batch, offset))
+                    offset += batch.num_rows
+                    if block is not None:
+                        write(block)
+                dropped += pivot.finish()
+        else:
+            for b in blocks:
+                if isinstance(b, _Tokens):
+                    if b.ids.max() >= E:
+                        raise ImportFormatError(f"{s.source}: expert id {int(b.ids.max())} >= declared "
+                                                f"num_experts {E}")
+                    write(b)
+                else:
+                    dropped += b
+        writer.flush()
+        if tokens == 0:
+            raise ImportFormatError(f"{s.source}: no complete token (every token misses some layer)")
+        if s.out.exists():
+            s.out.rmdir()
+        os.replace(tmp, s.out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return ImportResult(s.out, tokens, dropped, (L, E, k), inferred, time.time() - start)
+
+
+def export_long(trace: Trace, path: Path) -> int:
+    """Write ``trace`` as long JSON lines, one row per (request, token, layer); returns the rows written."""
+    L, k = trace.meta.num_layers, trace.meta.top_k
+    rows = 0
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w") as f:
+        for batch in trace.dataset.to_batches():
+            d = batch.to_pydict()
+            for i in range(batch.num_rows):
+                for l in range(L):
+                    f.write(json.dumps({
+                        "request_id": d["request_id"][i], "dataset": d["dataset"][i], "phase": d["phase"][i],
+                        "token": d["position"][i], "token_id": d["token_id"][i], "layer": l,
+                        "experts": d["experts"][i][l * k:(l + 1) * k], "scores": d["scores"][i][l * k:(l + 1) * k],
+                    }) + "\n")
+                    rows += 1
+    tmp.replace(path)
+    return rows
