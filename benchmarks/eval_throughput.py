@@ -11,13 +11,15 @@ trained-MLP row uses the paper's widths; the issue's target is "1M predictions i
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
 
 from duoserve.evaluate import scorers as S
 from duoserve.evaluate.accuracy import hits_at_budgets, summarize
@@ -68,11 +70,9 @@ def main() -> None:
     baselines = sum(v for n, v in seconds.items() if n != "trained MLP")
     print(f"summarize: {seconds['summarize (all scorers)']:.1f} s; five baselines + tables: {baselines:.1f} s "
           f"for {len(ev):,} predictions each; the paper-width MLP alone: {seconds['trained MLP']:.1f} s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"benchmark": "eval_throughput", "command": " ".join(sys.argv),
+    write_result(args.out, {"benchmark": "eval_throughput", "command": " ".join(sys.argv),
                                         "predictions": len(ev), "geometry": {"L": L, "E": E, "k": k},
-                                        "threads": 1, "seconds": seconds}, indent=2) + "\n")
+                                        "threads": 1, "seconds": seconds})
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -20,6 +19,9 @@ import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
 
 from duoserve.predictor.fast import GraphedPredictor, fold_batchnorm
 from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
@@ -131,9 +133,7 @@ def main() -> None:
         print(f"{name}: holds {memory[name]['held']:.1f} MB GPU memory (peak {memory[name]['peak']:.1f} MB), "
               f"{gpu_time[name]:.3f} ms GPU time per replay, top-k sets equal to eager fp32 on "
               f"{agreement[name]:.1%} of random inputs")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

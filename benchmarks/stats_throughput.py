@@ -10,7 +10,6 @@ read of the `experts` column. Target (issue): at least 1M token rows per second 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import write_result  # noqa: E402
 
 from duoserve.features.stats import compute_stats, iter_routing
 from duoserve.trace.format import TraceMeta, open_trace
@@ -66,9 +68,7 @@ def main() -> None:
     }
     print(f"read only: {report['read_only_rows_per_s']:,.0f} rows/s; statistics: {report['stats_rows_per_s']:,.0f} "
           f"rows/s ({report['stats_vs_read_time_ratio']:.1f}x the read time); target 1,000,000 rows/s")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

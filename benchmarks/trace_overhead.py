@@ -11,7 +11,6 @@ are fine for timing. Prints a table and writes JSON (--out). Targets: <= 1.05x o
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import sys
@@ -21,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from shapes import shape_config  # noqa: E402
+from common import shape_config, write_result  # noqa: E402
 
 from duoserve.trace.collect import load_model, rows_from_records  # noqa: E402
 from duoserve.trace.hooks import RoutingRecorder, find_moe_layers, moe_geometry  # noqa: E402
@@ -110,9 +109,7 @@ def main() -> None:
         "experts_implementation": model.config._experts_implementation,
         "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "results": results,
     }
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.out, report)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
         if not _same_geometry(meta, t.meta):
             raise ValueError(f"{t.path} has geometry L={t.meta.num_layers}, E={t.meta.num_experts}, "
                              f"k={t.meta.top_k}, unlike {traces[0].path}")
-    L, k = meta.num_layers, meta.top_k
+    k = meta.top_k
     with_ng = all(t.meta.lookahead >= 1 for t in traces)
     cols = ["dataset", "request_id", "phase", "position", "experts", *(["nextgate"] if with_ng else [])]
     tables = [t.dataset.to_table(columns=cols, filter=trace_filter(phase, list(datasets) if datasets else None))

@@ -18,8 +18,8 @@ from duoserve.predictor.model import ExpertPredictor
 def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
     """An eval-mode copy whose MLP is Linear/ReLU only: each BatchNorm's affine map folded into its Linear."""
     folded = copy.deepcopy(predictor).eval()
-    layers, modules = [], list(folded.mlp)
-    for i, m in enumerate(modules):
+    layers = []
+    for m in folded.mlp:
         if isinstance(m, nn.BatchNorm1d):
             linear = layers[-1]
             scale = m.weight / torch.sqrt(m.running_var + m.eps)  # per output unit

@@ -1,9 +1,12 @@
-"""Configs of real MoE models, for benchmarks with random weights (no hub access needed).
+"""Shared by the benchmarks: real MoE model shapes (random weights, no hub needed) and result files.
 
-Values copied from the models' published config.json files (architecture numbers only).
+Shape values copied from the models' published config.json files (architecture numbers only).
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 SHAPES = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(
@@ -28,3 +31,11 @@ def shape_config(name: str, num_layers: int | None = None):
     if num_layers:
         kwargs = {**kwargs, "num_hidden_layers": num_layers}
     return AutoConfig.for_model(model_type, **kwargs)
+
+
+def write_result(path: Path | None, report: dict) -> None:
+    """Write a benchmark's JSON result (if --out was given)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n")
