@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duoserve.predictor.fast import GraphedPredictor, fold_batchnorm
+from duoserve.predictor.fast import GraphedPredictor, SparseHistoryPredictor, fold_batchnorm
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 
 L, E, K = 6, 16, 4
@@ -31,6 +31,18 @@ def test_folding_batchnorm_keeps_outputs():
     with torch.no_grad():
         torch.testing.assert_close(folded(history, target), model(history, target), rtol=1e-4, atol=1e-5)
     assert any(isinstance(m, torch.nn.BatchNorm1d) for m in model.mlp)  # the original is untouched
+
+
+def test_sparse_first_layer_computes_the_same_function():
+    model = _trained_like()
+    sparse = SparseHistoryPredictor(model)
+    history = torch.rand(64, L, E).argsort(-1)[..., :K]  # distinct experts per layer, as a router picks them
+    target = torch.randint(1, L, (64,))
+    target[:4] = torch.tensor([1, 2, 3, 5])  # windows that start before layer 0, and a full one
+    with torch.no_grad():
+        torch.testing.assert_close(sparse(history, target), model(history, target), rtol=1e-4, atol=1e-4)
+    assert torch.equal(sparse.predict(history, target).sort(1).values, model.predict(history, target).sort(1).values)
+    assert not any(isinstance(m, torch.nn.Linear) and m.in_features == model.spec.input_dim for m in sparse.modules())
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ import torch
 from duoserve.features.examples import Examples, RoutingTable
 from duoserve.metrics import multi_hot
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
+from duoserve.predictor.fast import SparseHistoryPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.train.lightning import ExampleSet
 
@@ -47,10 +48,10 @@ class Scorer:
 
 
 class TrainedPredictor(Scorer):
-    name, description = "trained MLP", "the exported predictor artifact"
+    name, description = "trained MLP", "the exported predictor artifact (BN folded, sparse first layer: as deployed)"
 
     def __init__(self, predictor: ExpertPredictor):
-        self.predictor = predictor.eval()
+        self.predictor = SparseHistoryPredictor(predictor.eval())
 
     @torch.no_grad()
     def scores(self, ev, idx):

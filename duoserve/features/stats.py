@@ -36,11 +36,11 @@ def trace_filter(phase: str | None = None, datasets: list[str] | None = None) ->
 
 
 def iter_routing(trace: Trace, filt: pc.Expression | None = None, batch_rows: int = 65_536):
-    """Yield the ``experts`` column batch by batch as N x L x k int64 arrays (constant memory)."""
+    """Yield the ``experts`` column batch by batch as N x L x k int16 arrays (constant memory)."""
     L, k = trace.meta.num_layers, trace.meta.top_k
     for batch in trace.dataset.to_batches(columns=["experts"], filter=filt, batch_size=batch_rows):
         if batch.num_rows:
-            yield batch.column("experts").flatten().to_numpy().astype(np.int64).reshape(-1, L, k)
+            yield batch.column("experts").flatten().to_numpy().reshape(-1, L, k)
 
 
 @dataclass
@@ -99,11 +99,13 @@ def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.nda
     """Popularity (L x E) and affinity ((L-1) x E x E) counts of one N x L x k batch."""
     N, L, k = ids.shape
     E = num_experts
-    layer = np.arange(L)[None, :, None]  # 1 x L x 1
-    popularity = np.bincount((layer * E + ids).ravel(), minlength=L * E).reshape(L, E)
-    src = (layer[:, :-1] * E + ids[:, :-1])[..., :, None] * E  # N x (L-1) x k x 1
-    pairs = src + ids[:, 1:, None, :]  # N x (L-1) x k x k: flat index of (l, i, j)
-    affinity = np.bincount(pairs.ravel(), minlength=(L - 1) * E * E).reshape(L - 1, E, E)
+    by_layer = np.ascontiguousarray(ids.transpose(1, 0, 2), dtype=np.int32)  # L x N x k, one block per layer
+    popularity = np.bincount((np.arange(L, dtype=np.int32)[:, None, None] * E + by_layer).ravel(),
+                             minlength=L * E).reshape(L, E)
+    affinity = np.empty((L - 1, E, E), dtype=np.int64)
+    for l in range(L - 1):  # per layer pair, so the E*E bins stay in cache
+        pairs = by_layer[l][:, :, None] * E + by_layer[l + 1][:, None, :]  # N x k x k: flat (i, j)
+        affinity[l] = np.bincount(pairs.ravel(), minlength=E * E).reshape(E, E)
     return popularity, affinity
 
 
@@ -131,5 +133,5 @@ def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | 
 
 def stats_from_ids(ids: np.ndarray, num_experts: int, batch_rows: int = 65_536, meta: dict | None = None) -> RoutingStats:
     """Statistics of an in-memory N x L x k id table."""
-    batches = (ids[i:i + batch_rows].astype(np.int64) for i in range(0, len(ids), batch_rows))
+    batches = (ids[i:i + batch_rows] for i in range(0, len(ids), batch_rows))
     return accumulate(batches, ids.shape[1], num_experts, meta)

@@ -1,8 +1,11 @@
-"""Low-latency inference for a trained predictor: BatchNorm folded into the linears, CUDA-graph replay.
+"""Low-latency inference for a trained predictor: BatchNorm folded, a sparse first layer, CUDA-graph replay.
 
-At batch 1 the predictor is launch-bound: ~20 small kernels for the features and the MLP. Folding
-BatchNorm removes a third of them; replaying a captured CUDA graph turns the rest into a single
-launch. Shape legend: B examples, L MoE layers, E experts, k top-k.
+At batch 1 the predictor is launch-bound and its first layer dominates the bytes: a dense
+(W*E) x 2048 GEMM over a multi-hot input with only W*k ones. Folding BatchNorm removes a third of
+the kernels; reading only the first layer's columns of the active (layer, expert) pairs, as an
+embedding bag, removes the multi-hot and most of the weight traffic; replaying a captured CUDA
+graph turns what is left into one launch. Shape legend: B examples, W window, E experts, k top-k,
+H width of the first hidden layer.
 """
 
 from __future__ import annotations
@@ -34,6 +37,41 @@ def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
     return folded
 
 
+class SparseHistoryPredictor(nn.Module):
+    """The same function as a (BN-folded) predictor, with the history part of the first layer as an embedding bag."""
+
+    def __init__(self, predictor: ExpertPredictor):
+        super().__init__()
+        self.inner = fold_batchnorm(predictor)
+        s, first = self.inner.spec, self.inner.mlp[0]
+        self.spec = s
+        hist = s.window * s.num_experts
+        weight = first.weight.detach()  # H x D
+        zero = torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        self.register_buffer("history_rows", torch.cat([weight[:, :hist].T, zero]))  # (W*E + 1) x H; last: padding
+        self.dense = nn.Linear(weight.shape[1] - hist, weight.shape[0], device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            self.dense.weight.copy_(weight[:, hist:])
+            self.dense.bias.copy_(first.bias)
+        self.tail = self.inner.mlp[1:]
+        self.inner.mlp = nn.Sequential()  # its first layer now lives in history_rows and dense
+
+    def forward(self, history: torch.Tensor, target: torch.Tensor,
+                nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        s = self.spec
+        ids, valid = self.inner.window(history, target)  # B x W x k, B x W
+        rows = torch.arange(s.window, device=ids.device)[None, :, None] * s.num_experts + ids  # B x W x k
+        rows = torch.where(valid[..., None], rows, s.window * s.num_experts)  # missing layers: the zero row
+        h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x H
+        dense = self.inner.dense_features(ids, target, nextgate)
+        return self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x E
+
+    @torch.no_grad()
+    def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                budget: int | None = None) -> torch.Tensor:
+        return self.forward(history, target, nextgate).topk(budget or self.spec.top_k, dim=1).indices
+
+
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
@@ -44,8 +82,7 @@ class GraphedPredictor:
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32):
         s = predictor.spec
-        self.model = fold_batchnorm(predictor).to(device)
-        self.model.mlp.to(dtype)  # features stay float32; bfloat16 halves weight memory and reads
+        self.model = SparseHistoryPredictor(predictor).to(device, dtype)
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None

@@ -64,27 +64,38 @@ class ExpertPredictor(nn.Module):
             width = w
         self.mlp = nn.Sequential(*blocks, nn.Linear(width, E))
 
-    def features(self, history: torch.Tensor, target: torch.Tensor,
-                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
-        """B x D features. ``history`` B x L' x k ids (layers >= target are ignored), ``target`` B layer ids
-        in 1..L-1, ``nextgate`` B x k ids guessed for the target layer (when the spec uses it)."""
+    def window(self, history: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert ids at the W layers before each target (B x W x k) and which of those layers exist (B x W)."""
+        W = self.spec.window
+        layers = target.long()[:, None] - W + torch.arange(W, device=target.device)  # B x W: layers in the window
+        ids = history.long().gather(1, layers.clamp(min=0)[..., None].expand(-1, -1, history.shape[2]))
+        return ids, layers >= 0
+
+    def dense_features(self, window_ids: torch.Tensor, target: torch.Tensor,
+                       nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x (D - W*E): every feature after the history (popularity, affinity, layer, next-gate)."""
         s = self.spec
-        B, E, W = history.shape[0], s.num_experts, s.window
-        history, target = history.long(), target.long()
-        layers = target[:, None] - W + torch.arange(W, device=target.device)  # B x W: layers in the window
-        valid = (layers >= 0).float()[..., None]  # B x W x 1
-        window_ids = history.gather(1, layers.clamp(min=0)[..., None].expand(-1, -1, history.shape[2]))  # B x W x k
-        parts = [torch.zeros(B, W, E, device=history.device).scatter_(2, window_ids, 1.0).mul_(valid).flatten(1)]
+        B, E, target = len(target), s.num_experts, target.long()
+        parts = []
         if s.popularity:
             parts.append(popularity_scores(self.popularity, target))  # B x E
         if s.affinity:
             parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target))  # B x E, from layer t-1
-        parts.append(torch.zeros(B, s.num_layers, device=history.device).scatter_(1, target[:, None], 1.0))  # B x L
+        parts.append(torch.zeros(B, s.num_layers, device=target.device).scatter_(1, target[:, None], 1.0))  # B x L
         if s.nextgate:
             if nextgate is None:
                 raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")
-            parts.append(torch.zeros(B, E, device=history.device).scatter_(1, nextgate.long(), 1.0))
-        return torch.cat(parts, dim=1)  # B x D
+            parts.append(torch.zeros(B, E, device=target.device).scatter_(1, nextgate.long(), 1.0))
+        return torch.cat(parts, dim=1)
+
+    def features(self, history: torch.Tensor, target: torch.Tensor,
+                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x D features. ``history`` B x L' x k ids (layers >= target are ignored), ``target`` B layer ids
+        in 1..L-1, ``nextgate`` B x k ids guessed for the target layer (when the spec uses it)."""
+        ids, valid = self.window(history, target)  # B x W x k, B x W
+        B, W, E = len(target), self.spec.window, self.spec.num_experts
+        multi_hot = torch.zeros(B, W, E, device=history.device).scatter_(2, ids, 1.0).mul_(valid[..., None].float())
+        return torch.cat([multi_hot.flatten(1), self.dense_features(ids, target, nextgate)], dim=1)  # B x D
 
     def forward(self, history: torch.Tensor, target: torch.Tensor,
                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
