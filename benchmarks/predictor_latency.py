@@ -108,11 +108,13 @@ def main() -> None:
     variants["bn_folded_sparse"] = lambda: sparse.predict(history, target)
     memory, agreement, gpu_time = {"eager_model": eager_mb}, {}, {}
     if device.type == "cuda":
-        for name, dtype in (("cuda_graph", torch.float32), ("cuda_graph_bf16", torch.bfloat16)):
+        for name, dtype, sparse_graph in (("cuda_graph", torch.float32, False),
+                                          ("cuda_graph_sparse", torch.float32, True),
+                                          ("cuda_graph_bf16", torch.bfloat16, False)):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype)
+            graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype, sparse=sparse_graph)
             graphed(history, target)
             torch.cuda.synchronize(device)
             memory[name] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,

@@ -50,9 +50,11 @@ def test_sparse_first_layer_computes_the_same_function():
 def test_graphed_predictor_matches_eager():
     model = _trained_like().cuda()
     graphed = GraphedPredictor(model, batch_size=2)
+    sparse = GraphedPredictor(model, batch_size=2, sparse=True)
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
-        history = torch.randint(0, E, (2, L, K), generator=g).cuda()
+        history = torch.rand(2, L, E, generator=g).argsort(-1)[..., :K].cuda()
         target = torch.randint(1, L, (2,), generator=g).cuda()
         expected = model.predict(history, target)
         assert torch.equal(graphed(history, target).sort(1).values, expected.sort(1).values)
+        assert torch.equal(sparse(history, target).sort(1).values, expected.sort(1).values)

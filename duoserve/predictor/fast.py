@@ -75,14 +75,18 @@ class SparseHistoryPredictor(nn.Module):
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
+    ``sparse`` uses the embedding-bag first layer (fewer bytes; on the H200 the dense GEMV was as
+    fast, see benchmarks/results); ``dtype`` applies to the weights and statistics.
+
     ``__call__(history, target[, nextgate])`` copies the inputs into static buffers, replays the
     graph on the current stream, and returns the static B x budget id tensor (valid until the next call).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
-                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32):
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False):
         s = predictor.spec
-        self.model = SparseHistoryPredictor(predictor).to(device, dtype)
+        model = SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)
+        self.model = model.to(device, dtype)
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None
