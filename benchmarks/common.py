@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
+
 SHAPES = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(
         vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
@@ -39,3 +41,8 @@ def write_result(path: Path | None, report: dict) -> None:
         return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=2) + "\n")
+
+
+def random_routing(rng: np.random.Generator, n: int, L: int, E: int, k: int) -> np.ndarray:
+    """n x L x k uniformly random top-k expert ids, distinct within a layer (as a router picks them)."""
+    return np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k]

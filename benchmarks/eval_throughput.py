@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import random_routing, write_result  # noqa: E402
 
 from duoserve.evaluate import scorers as S
 from duoserve.evaluate.accuracy import hits_at_budgets, summarize
@@ -31,7 +31,7 @@ from duoserve.trace.format import TraceMeta
 
 def synthetic_table(tokens: int, L: int, E: int, k: int) -> RoutingTable:
     rng = np.random.default_rng(0)
-    ids = np.argsort(rng.random((tokens, L, E), dtype=np.float32), axis=2)[..., :k].astype(np.int16)
+    ids = random_routing(rng, tokens, L, E, k).astype(np.int16)
     meta = TraceMeta(model="synthetic", num_layers=L, num_experts=E, top_k=k, decoder_indices=list(range(L)),
                      datasets=[], lookahead=1)
     request = np.arange(tokens) // 100

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import random_routing, write_result  # noqa: E402
 
 from duoserve.trace.importers import ImportSettings, import_trace
 
@@ -31,7 +31,7 @@ def write_log(path: Path, rows: int, L: int, E: int, k: int) -> None:
     with path.open("w") as f:
         for start in range(0, tokens, 20_000):
             n = min(20_000, tokens - start)
-            ids = np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k]  # distinct per layer
+            ids = random_routing(rng, n, L, E, k)
             token = np.arange(start, start + n)
             f.writelines(f'{{"request_id": {t // 500}, "token": {t % 500}, "layer": {l}, "experts": {json.dumps(e)}}}\n'
                          for t, per_layer in zip(token.tolist(), ids.tolist()) for l, e in enumerate(per_layer))

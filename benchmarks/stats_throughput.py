@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import random_routing, write_result  # noqa: E402
 
 from duoserve.features.stats import compute_stats, iter_routing
 from duoserve.trace.format import TraceMeta, open_trace
@@ -33,7 +33,7 @@ def synthetic_trace(out: Path, rows: int, L: int, E: int, k: int) -> None:
     rng = np.random.default_rng(0)
     for start in range(0, rows, 50_000):
         n = min(50_000, rows - start)
-        ids = np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k].astype(np.int16)  # distinct per layer
+        ids = random_routing(rng, n, L, E, k).astype(np.int16)
         writer.add({"request_id": np.arange(start, start + n) // 100, "dataset": np.full(n, "synthetic", dtype=object),
                     "phase": np.full(n, "decode", dtype=object), "position": np.zeros(n, np.int32),
                     "token_id": np.zeros(n, np.int32), "experts": ids.reshape(n, -1),

@@ -324,8 +324,6 @@ def accuracy(
     fit_epochs: Annotated[int, typer.Option(help="Epochs of the extra fits (cross-task, learning curve).")] = 3,
 ) -> None:
     """Accuracy of PREDICTOR and every baseline on unseen requests; writes report.json, report.md and plots."""
-    from dataclasses import replace
-
     from duoserve.evaluate import accuracy as acc
     from duoserve.evaluate import generalization
     from duoserve.evaluate.report import markdown_table, write_report
@@ -352,7 +350,7 @@ def accuracy(
                     pivot.index = [f"{s} / trained on {t}" for s, t in pivot.index]
                     extra += "## Cross-task (decode, exact-top-k)\n\n" + markdown_table(pivot, "scorer / train") + "\n\n"
                 if learning_curve:
-                    lc = generalization.learning_curve(traces, work, replace(base),
+                    lc = generalization.learning_curve(traces, work, base,
                                                        [float(f) for f in learning_curve.split(",")], say)
                     report.info["learning_curve"] = lc.to_dict("records")
                     pivot = lc.pivot_table(index="train_fraction", columns="scorer", values="exact_topk")

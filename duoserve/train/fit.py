@@ -159,7 +159,8 @@ def fit(s: FitSettings) -> FitResult:
     train_requests = [r for r, t in zip(table.requests, train_request) if t]
     info = {
         "geometry": {"num_layers": L, "num_experts": E, "top_k": k, "decoder_indices": meta.decoder_indices},
-        "training_data": {"traces": [str(p) for p in s.traces], "model": meta.model, "revision": meta.revision,
+        "training_data": {"traces": [str(Path(p).resolve()) for p in s.traces], "model": meta.model,
+                          "revision": meta.revision,
                           "datasets": sorted({d for d, _ in table.requests}), "phase": s.phase or "all",
                           "tokens": int(train_token.sum()), "trace_generation": meta.generation},
         "split": {"rule": "sha1(f'{seed}:{dataset}:{request_id}') / 2**64 < val_fraction is validation",
