@@ -136,3 +136,9 @@ def test_round_trip_reproduces_the_trace(embedded_trace, tmp_path):
     for col in ("dataset", "request_id", "phase", "position", "token_id", "experts", "scores"):
         assert a[col].map(repr).tolist() == b[col].map(repr).tolist(), col
     np.testing.assert_array_equal(compute_stats(imported).affinity_counts, compute_stats(embedded_trace).affinity_counts)
+    from typer.testing import CliRunner
+
+    from duoserve.cli import trace_app
+
+    info = CliRunner().invoke(trace_app, ["info", str(tmp_path / "t")])
+    assert info.exit_code == 0 and "squad-sample" in info.output and "model imported" in info.output
