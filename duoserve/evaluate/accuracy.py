@@ -124,7 +124,9 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         raise ValueError("the predictor uses next-gate features but the traces have no nextgate column")
     ev = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers))
 
-    train_table = load_routing([open_trace(t) for t in _train_traces(predictor.config, train_traces)])
+    train_paths = _train_traces(predictor.config, train_traces)
+    same = sorted(Path(p).resolve() for p in train_paths) == sorted(Path(t).resolve() for t in traces)
+    train_table = table if same else load_routing([open_trace(t) for t in train_paths])  # read once when shared
     in_train = np.array([train_table.requests[r] in trained for r in train_table.request])
     train_table = _subset(train_table, np.flatnonzero(in_train))
     stats = stats_from_ids(train_table.ids, meta.num_experts)
@@ -157,8 +159,7 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         hits[scorer.name] = hits_at_budgets(scorer, ev, budgets)
     info = {
         "predictor": str(predictor_path), "predictor_config": predictor.config,
-        "traces": [str(t) for t in traces], "train_traces": [str(p) for p in _train_traces(predictor.config,
-                                                                                         train_traces)],
+        "traces": [str(t) for t in traces], "train_traces": [str(p) for p in train_paths],
         "geometry": {"num_layers": meta.num_layers, "num_experts": meta.num_experts, "top_k": k},
         "evaluated_requests": int(len(np.unique(ev_table.request))),
         "skipped_trained_requests": int(len(np.unique(table.request[~unseen]))),
