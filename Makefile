@@ -20,6 +20,7 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(VENV)/bin/duoserve-trace collect --out $(OUT)/traces
 	$(VENV)/bin/duoserve-trace info $(OUT)/traces
+	$(VENV)/bin/duoserve-eval health $(OUT)/traces
 	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
 	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
 	$(VENV)/bin/duoserve-eval accuracy --traces $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report

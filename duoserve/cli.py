@@ -377,3 +377,28 @@ def report(folder: Annotated[Path, typer.Argument(help="Report folder written by
     console.print(f"[bold]{folder}[/]: predictor {info['predictor']}, {info['evaluated_requests']} unseen requests, "
                   f"{info['examples']} token-layer predictions")
     _print_overall(saved)
+
+
+@eval_app.command()
+def health(trace: Annotated[Path, typer.Argument(help="Trace folder.")]) -> None:
+    """Is the routing worth predicting? Per-layer load, task dependence, affinity predictability."""
+    from duoserve.evaluate.health import routing_health
+    from duoserve.trace.format import open_trace
+
+    try:
+        h = routing_health(open_trace(trace))
+    except _USER_ERRORS as err:
+        _fail(err)
+    table = Table(title=f"routing health of {trace}")
+    table.add_column("figure")
+    table.add_column("value")
+    table.add_row("experts used (worst layer)", f"{h['min_experts_used']}/{h['num_experts']}")
+    table.add_row("max load / uniform (worst layer)", f"{h['max_over_uniform']:.2f}")
+    if "task_tv_per_layer" in h:
+        tv = h["task_tv_per_layer"]
+        table.add_row("task total-variation per layer", f"{min(tv):.3f}-{max(tv):.3f} (mean {sum(tv) / len(tv):.3f})")
+    a = h["affinity"]
+    table.add_row(f"affinity, {h['affinity_decode_tokens']} odd-request decode tokens",
+                  f"exact {a['exact_topk']:.3f}, at-least-half {a['at_least_half']:.3f}" if a else "n/a (none)")
+    table.add_row("random choice, at-least-half", f"{h['random_at_least_half']:.3f}")
+    console.print(table)

@@ -21,6 +21,8 @@ def test_collect_then_info_on_the_embedded_default(tmp_path):
     assert info.exit_code == 0, info.output
     assert "squad-sample" in info.output and "orca-math-sample" in info.output
     assert "expert usage per MoE layer" in info.output
+    health = runner.invoke(eval_app, ["health", str(out)])
+    assert health.exit_code == 0 and "max load / uniform" in health.output and "random choice" in health.output
     again = runner.invoke(trace_app, ["collect", "--count", "3", "--max-new-tokens", "4", "--batch-size", "2",
                                       "--device", "cpu", "--out", str(out)])
     assert again.exit_code == 0 and "│ 6        │ 6 " in again.output  # all 6 requests resumed, none redone
