@@ -75,6 +75,7 @@ def test_long_log_errors_name_file_and_line(tmp_path):
     fails(LOG, r"line 2: expert id \[3, 0\] out of range 0..2", num_experts=3)
     fails(LOG, r"line 2: expert id \[3, 0\] out of range 0..2", num_experts=3, num_layers=3, top_k=2)  # no scan
     fails(LOG, r"no column 'request_id'", request="request_id")
+    fails(LOG, r"phase values \['generate'\] are not prefill or decode", phase="generate")
     with pytest.raises(FileExistsError, match="not an empty folder"):
         (tmp_path / "full").mkdir()
         (tmp_path / "full" / "x").write_text("x")

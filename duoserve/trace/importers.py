@@ -36,7 +36,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import duoserve
-from duoserve.trace.format import Trace, TraceMeta
+from duoserve.trace.format import PHASES, Trace, TraceMeta
 from duoserve.trace.writer import TraceWriter
 
 FORMATS = ("long", "sglang", "npy")
@@ -361,6 +361,10 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
         def write(block: _Tokens) -> None:
             nonlocal tokens
             T = len(block.request)
+            phases = set(np.unique(block.phase).tolist()) if block.phase is not None else {s.phase}
+            if not phases <= set(PHASES):
+                raise ImportFormatError(f"{s.source}: phase values {sorted(phases - set(PHASES))} are not "
+                                        f"{' or '.join(PHASES)}")
             writer.add({
                 "request_id": block.request.astype(np.int64),
                 "dataset": block.dataset if block.dataset is not None else np.full(T, s.dataset, dtype=object),
