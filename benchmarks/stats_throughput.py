@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import random_routing, write_result  # noqa: E402
 
-from duoserve.features.stats import compute_stats, iter_routing
+from duoserve.features.stats import compute_stats
 from duoserve.trace.format import TraceMeta, open_trace
 from duoserve.trace.writer import TraceWriter
 
@@ -54,7 +54,7 @@ def main() -> None:
         synthetic_trace(Path(tmp), args.rows, args.layers, args.experts, args.top_k)
         trace = open_trace(tmp)
         t = time.perf_counter()
-        read_rows = sum(len(b) for b in iter_routing(trace))
+        read_rows = sum(len(b) for b in trace.iter_experts())
         read_s = time.perf_counter() - t
         t = time.perf_counter()
         stats = compute_stats(trace)

@@ -25,6 +25,13 @@ def _fail(err: Exception) -> None:
     raise typer.Exit(2)
 
 
+def _table(title: str, *columns: str) -> Table:
+    table = Table(title=title)
+    for col in columns:
+        table.add_column(col)
+    return table
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     TimeRemainingColumn(), console=err_console, transient=False)
@@ -79,9 +86,8 @@ def collect(
     except _USER_ERRORS as err:
         _fail(err)
     g = result.geometry
-    table = Table(title=f"trace -> {result.out}")
-    for col in ("model", "L x E, k", "requests", "resumed", "prefill rows", "decode rows", "seconds"):
-        table.add_column(col)
+    table = _table(f"trace -> {result.out}", "model", "L x E, k", "requests", "resumed", "prefill rows",
+                   "decode rows", "seconds")
     table.add_row(model, f"{g.num_layers} x {g.num_experts}, {g.top_k}", str(result.requests), str(result.resumed),
                   str(result.rows["prefill"]), str(result.rows["decode"]), f"{result.seconds:.1f}")
     console.print(table)
@@ -91,7 +97,7 @@ def collect(
 def info(path: Annotated[Path, typer.Argument(help="Trace folder or part file.")]) -> None:
     """Summarise a trace: how it was made, requests and tokens per phase, per-layer expert usage."""
     from duoserve.trace.format import open_trace
-    from duoserve.trace.info import summarize
+    from duoserve.trace.info import layer_stats, summarize
 
     try:
         trace = open_trace(path)
@@ -101,17 +107,14 @@ def info(path: Annotated[Path, typer.Argument(help="Trace folder or part file.")
     console.print(f"[bold]{path}[/]: model {meta.model}, {meta.num_layers} MoE layers "
                   f"(decoder {meta.decoder_indices[0]}..{meta.decoder_indices[-1]}), {meta.num_experts} experts, "
                   f"top-{meta.top_k}, next-gate depth {meta.lookahead}, {len(trace.files)} part file(s)")
-    tokens = Table(title="requests and tokens")
-    for col in ("dataset", "requests", "prefill tokens", "decode tokens"):
-        tokens.add_column(col)
+    tokens = _table("requests and tokens", "dataset", "requests", "prefill tokens", "decode tokens")
     for name, n in sorted(summary.requests.items()):
         tokens.add_row(name, str(n), str(summary.tokens.get((name, "prefill"), 0)),
                        str(summary.tokens.get((name, "decode"), 0)))
     console.print(tokens)
-    usage = Table(title="expert usage per MoE layer")
-    for col in ("layer", "experts used", "max load / uniform", "entropy (norm.)"):
-        usage.add_column(col)
-    for s in summary.layer_stats():
+    usage = _table("expert usage per MoE layer", "layer", "experts used", "max load / uniform",
+                   "entropy (norm.)")
+    for s in layer_stats(summary.usage):
         usage.add_row(str(s["layer"]), f"{s['experts_used']}/{meta.num_experts}", f"{s['max_over_uniform']:.2f}",
                       f"{s['entropy']:.3f}")
     console.print(usage)
@@ -155,9 +158,8 @@ def import_cmd(
     except _USER_ERRORS as err:
         _fail(err)
     L, E, k = result.geometry
-    table = Table(title=f"import -> {result.out}")
-    for col in ("format", "L x E, k", "tokens", "dropped (missing layers)", "inferred", "seconds"):
-        table.add_column(col)
+    table = _table(f"import -> {result.out}", "format", "L x E, k", "tokens", "dropped (missing layers)",
+                   "inferred", "seconds")
     table.add_row(format, f"{L} x {E}, {k}", str(result.tokens), str(result.dropped),
                   ", ".join(result.inferred) or "-", f"{result.seconds:.1f}")
     console.print(table)
@@ -230,9 +232,7 @@ def stats(
     except _USER_ERRORS as err:
         _fail(err)
     L, E = merged.geometry
-    table = Table(title=f"statistics -> {out}")
-    for col in ("tokens", "layers", "experts", "top expert per layer (share)"):
-        table.add_column(col)
+    table = _table(f"statistics -> {out}", "tokens", "layers", "experts", "top expert per layer (share)")
     pop = merged.popularity
     table.add_row(str(merged.tokens), str(L), str(E),
                   ", ".join(f"{l}:{int(pop[l].argmax())} ({pop[l].max():.2f})" for l in range(min(L, 8)))
@@ -277,9 +277,8 @@ def fit_cmd(
         _fail(err)
     if result.out is None:
         return
-    table = Table(title=f"validation ({result.val_examples} token-layer examples) -> {result.out}")
-    for col in ("predictor", "exact-top-k", "at-least-half", "recall"):
-        table.add_column(col)
+    table = _table(f"validation ({result.val_examples} token-layer examples) -> {result.out}", "predictor",
+                   "exact-top-k", "at-least-half", "recall")
     for name, m in result.metrics.items():
         table.add_row(name if name != "predictor" else "[bold]trained MLP[/]", f"{m['exact_topk']:.3f}",
                       f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
@@ -296,9 +295,8 @@ def _print_overall(report) -> None:
         overall = report.overall(phase)
         if overall.empty:
             continue
-        table = Table(title=f"{phase} tokens ({int(overall['examples'].iloc[0])} token-layer predictions)")
-        for col in ("scorer", "exact-top-k", "at-least-half", "recall", *(f"recall@{b}" for b in report.budgets[1:])):
-            table.add_column(col)
+        table = _table(f"{phase} tokens ({int(overall['examples'].iloc[0])} token-layer predictions)", "scorer",
+                       "exact-top-k", "at-least-half", "recall", *(f"recall@{b}" for b in report.budgets[1:]))
         for name, row in overall.iterrows():
             table.add_row(f"[bold]{name}[/]" if name == "trained MLP" else name, f"{row.exact_topk:.3f}",
                           f"{row.at_least_half:.3f}", f"{row.recall:.3f}",
@@ -389,9 +387,7 @@ def health(trace: Annotated[Path, typer.Argument(help="Trace folder.")]) -> None
         h = routing_health(open_trace(trace))
     except _USER_ERRORS as err:
         _fail(err)
-    table = Table(title=f"routing health of {trace}")
-    table.add_column("figure")
-    table.add_column("value")
+    table = _table(f"routing health of {trace}", "figure", "value")
     table.add_row("experts used (worst layer)", f"{h['min_experts_used']}/{h['num_experts']}")
     table.add_row("max load / uniform (worst layer)", f"{h['max_over_uniform']:.2f}")
     if "task_tv_per_layer" in h:

@@ -228,8 +228,9 @@ def test_open_trace_rejects_foreign_and_mixed_files(arch_models, tmp_path):
     pq.write_table(pa.table({"x": [1]}), tmp_path / "part-x.parquet")
     with pytest.raises(ValueError, match="not a duoserve trace"):
         open_trace(tmp_path)
+    (tmp_path / "empty").mkdir()
     with pytest.raises(ValueError, match="holds no trace part files"):
-        open_trace(tmp_path / "missing_parent") if (tmp_path / "missing_parent").mkdir() is None else None
+        open_trace(tmp_path / "empty")
     a = collect(_settings(arch_models["mixtral"], tmp_path / "a", max_new_tokens=1)).out
     b = collect(_settings(arch_models["mixtral"], tmp_path / "b", max_new_tokens=2)).out
     (b / "part-r000-00000.parquet").rename(a / "part-r009-00000.parquet")

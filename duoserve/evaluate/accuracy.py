@@ -18,7 +18,7 @@ import pandas as pd
 import torch
 
 from duoserve.evaluate import scorers as S
-from duoserve.features.examples import RoutingTable, load_routing, make_examples
+from duoserve.features.examples import load_routing, make_examples
 from duoserve.features.stats import RoutingStats, stats_from_ids
 from duoserve.metrics import overlap
 from duoserve.predictor.artifact import load_predictor, trained_requests
@@ -40,11 +40,6 @@ class AccuracyReport:
 
     def to_json(self) -> dict:
         return {"info": self.info, "budgets": self.budgets, "rows": self.table.to_dict("records")}
-
-
-def _subset(table: RoutingTable, tokens: np.ndarray) -> RoutingTable:
-    return RoutingTable(table.meta, table.ids[tokens], None if table.nextgate is None else table.nextgate[tokens],
-                        table.request[tokens], table.requests, table.decode[tokens], table.position[tokens])
 
 
 def hits_at_budgets(scorer: S.Scorer, ev: S.EvalSet, budgets: Sequence[int], chunk: int = 8192) -> np.ndarray:
@@ -119,7 +114,7 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
     if not unseen.any():
         raise ValueError(f"the predictor was trained on every request in {[str(t) for t in traces]}: "
                          "evaluate it on other requests")
-    ev_table = _subset(table, np.flatnonzero(unseen))
+    ev_table = table.select(np.flatnonzero(unseen))
     if predictor.spec.nextgate and ev_table.nextgate is None:
         raise ValueError("the predictor uses next-gate features but the traces have no nextgate column")
     ev = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers))
@@ -128,7 +123,7 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
     same = sorted(Path(p).resolve() for p in train_paths) == sorted(Path(t).resolve() for t in traces)
     train_table = table if same else load_routing([open_trace(t) for t in train_paths])  # read once when shared
     in_train = np.array([train_table.requests[r] in trained for r in train_table.request])
-    train_table = _subset(train_table, np.flatnonzero(in_train))
+    train_table = train_table.select(np.flatnonzero(in_train))
     stats = stats_from_ids(train_table.ids, meta.num_experts)
     popularity, affinity = torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity)
 

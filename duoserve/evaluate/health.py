@@ -15,7 +15,7 @@ from duoserve.features.stats import stats_from_ids
 from duoserve.metrics import topk_metrics
 from duoserve.predictor.baselines import affinity_markov_scores
 from duoserve.trace.format import Trace
-from duoserve.trace.info import TraceSummary, expert_usage
+from duoserve.trace.info import expert_usage, layer_stats
 
 
 def random_at_least_half(E: int, k: int) -> float:
@@ -27,7 +27,7 @@ def routing_health(trace: Trace) -> dict:
     """Per-layer load, the datasets' per-layer total-variation distance, and how well affinity
     statistics from even-numbered requests predict odd-numbered requests' decode routing."""
     L, E, k = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
-    layers = TraceSummary({}, {}, expert_usage(trace)).layer_stats()
+    layers = layer_stats(expert_usage(trace))
     out = {"min_experts_used": min(s["experts_used"] for s in layers),
            "max_over_uniform": max(s["max_over_uniform"] for s in layers), "num_experts": E}
     names = [d["name"] for d in trace.meta.datasets]

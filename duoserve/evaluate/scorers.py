@@ -18,7 +18,7 @@ from duoserve.metrics import multi_hot
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
 from duoserve.predictor.fast import SparseHistoryPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
-from duoserve.train.lightning import ExampleSet
+from duoserve.train.lightning import ExampleSet, previous_experts
 
 
 @dataclass
@@ -77,8 +77,7 @@ class AffinityMarkov(Scorer):
 
     def scores(self, ev, idx):
         b = ev.batch(idx)
-        previous = b["history"][torch.arange(len(idx)), b["target"] - 1]  # B x k: routed at t-1
-        return affinity_markov_scores(self.affinity, previous, b["target"])
+        return affinity_markov_scores(self.affinity, previous_experts(b), b["target"])
 
 
 class NextGate(Scorer):

@@ -16,8 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from duoserve.features.stats import trace_filter
-from duoserve.trace.format import Trace, TraceMeta
+from duoserve.trace.format import Trace, TraceMeta, row_filter
 
 
 @dataclass
@@ -34,6 +33,11 @@ class RoutingTable:
 
     def __len__(self) -> int:
         return len(self.ids)
+
+    def select(self, tokens: np.ndarray) -> RoutingTable:
+        """The table restricted to the given token rows (same request index)."""
+        return RoutingTable(self.meta, self.ids[tokens], None if self.nextgate is None else self.nextgate[tokens],
+                            self.request[tokens], self.requests, self.decode[tokens], self.position[tokens])
 
 
 def _same_geometry(a: TraceMeta, b: TraceMeta) -> bool:
@@ -53,7 +57,7 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
     k = meta.top_k
     with_ng = all(t.meta.lookahead >= 1 for t in traces)
     cols = ["dataset", "request_id", "phase", "position", "experts", *(["nextgate"] if with_ng else [])]
-    tables = [t.dataset.to_table(columns=cols, filter=trace_filter(phase, list(datasets) if datasets else None))
+    tables = [t.dataset.to_table(columns=cols, filter=row_filter(phase, list(datasets) if datasets else None))
               for t in traces]
     n = sum(t.num_rows for t in tables)
     if n == 0:

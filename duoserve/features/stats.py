@@ -13,34 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-import pyarrow.compute as pc
 import torch
 from safetensors.torch import load_file, save_file
 
 from duoserve.trace.format import Trace
+from duoserve.trace.info import expert_counts
 
 STATS_VERSION = 1
-
-
-def trace_filter(phase: str | None = None, datasets: list[str] | None = None) -> pc.Expression | None:
-    """A pyarrow filter on phase and datasets (None: all)."""
-    conds = []
-    if phase is not None:
-        conds.append(pc.field("phase") == phase)
-    if datasets:
-        conds.append(pc.field("dataset").isin(datasets))
-    filt = None
-    for c in conds:
-        filt = c if filt is None else filt & c
-    return filt
-
-
-def iter_routing(trace: Trace, filt: pc.Expression | None = None, batch_rows: int = 65_536):
-    """Yield the ``experts`` column batch by batch as N x L x k int16 arrays (constant memory)."""
-    L, k = trace.meta.num_layers, trace.meta.top_k
-    for batch in trace.dataset.to_batches(columns=["experts"], filter=filt, batch_size=batch_rows):
-        if batch.num_rows:
-            yield batch.column("experts").flatten().to_numpy().reshape(-1, L, k)
 
 
 @dataclass
@@ -97,16 +76,14 @@ class RoutingStats:
 
 def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
     """Popularity (L x E) and affinity ((L-1) x E x E) counts of one N x L x k batch."""
-    N, L, k = ids.shape
+    _, L, _ = ids.shape
     E = num_experts
     by_layer = np.ascontiguousarray(ids.transpose(1, 0, 2), dtype=np.int32)  # L x N x k, one block per layer
-    popularity = np.bincount((np.arange(L, dtype=np.int32)[:, None, None] * E + by_layer).ravel(),
-                             minlength=L * E).reshape(L, E)
     affinity = np.empty((L - 1, E, E), dtype=np.int64)
     for l in range(L - 1):  # per layer pair, so the E*E bins stay in cache
         pairs = by_layer[l][:, :, None] * E + by_layer[l + 1][:, None, :]  # N x k x k: flat (i, j)
         affinity[l] = np.bincount(pairs.ravel(), minlength=E * E).reshape(E, E)
-    return popularity, affinity
+    return expert_counts(ids, E), affinity
 
 
 def accumulate(batches, num_layers: int, num_experts: int, meta: dict | None = None) -> RoutingStats:
@@ -126,7 +103,7 @@ def accumulate(batches, num_layers: int, num_experts: int, meta: dict | None = N
 def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
                   batch_rows: int = 65_536) -> RoutingStats:
     """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets)."""
-    return accumulate(iter_routing(trace, trace_filter(phase, datasets), batch_rows), trace.meta.num_layers,
+    return accumulate(trace.iter_experts(phase, datasets, batch_rows), trace.meta.num_layers,
                       trace.meta.num_experts,
                       {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets})
 

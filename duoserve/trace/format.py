@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
@@ -77,6 +78,13 @@ def arrow_schema(meta: TraceMeta) -> pa.Schema:
     return pa.schema(fields, metadata={META_KEY: meta.to_bytes()})
 
 
+def row_filter(phase: str | None = None, datasets: list[str] | None = None) -> pc.Expression | None:
+    """A pyarrow filter on phase and datasets (None: all rows)."""
+    conds = [c for c in (pc.field("phase") == phase if phase is not None else None,
+                         pc.field("dataset").isin(datasets) if datasets else None) if c is not None]
+    return conds[0] & conds[1] if len(conds) == 2 else (conds[0] if conds else None)
+
+
 def part_files(path: Path) -> list[Path]:
     return sorted(path.glob("part-*.parquet"))
 
@@ -92,6 +100,15 @@ class Trace:
     @property
     def dataset(self) -> pads.Dataset:
         return pads.dataset([str(f) for f in self.files], format="parquet", schema=arrow_schema(self.meta))
+
+    def iter_experts(self, phase: str | None = None, datasets: list[str] | None = None,
+                     batch_rows: int = 65_536):
+        """Yield the ``experts`` column batch by batch as N x L x k int16 arrays (constant memory)."""
+        L, k = self.meta.num_layers, self.meta.top_k
+        for batch in self.dataset.to_batches(columns=["experts"], filter=row_filter(phase, datasets),
+                                             batch_size=batch_rows):
+            if batch.num_rows:
+                yield batch.column("experts").flatten().to_numpy().reshape(-1, L, k)  # N x L x k
 
     def column(self, name: str) -> pa.ChunkedArray:
         return self.dataset.to_table(columns=[name]).column(name)

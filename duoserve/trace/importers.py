@@ -133,6 +133,14 @@ def _column(batch: pa.RecordBatch, name: str, path: Path) -> np.ndarray:
     return batch.column(name).to_numpy(zero_copy_only=False)
 
 
+def _refuse_out_of_range(values: np.ndarray, limit: int | None, path: Path, fmt: str, offset: int, what: str) -> None:
+    """Raise, naming the first offending row, if any of ``values`` (n rows) is negative or >= ``limit``."""
+    bad = np.flatnonzero(((values < 0) | (values >= (limit or np.iinfo(np.int64).max))).reshape(len(values), -1).any(1))
+    if len(bad):
+        allowed = f"out of range 0..{limit - 1}" if limit else "negative"
+        raise ImportFormatError(f"{path} {_line(fmt, offset + bad[0])}: {what} {values[bad[0]].tolist()} {allowed}")
+
+
 def _fixed(col: pa.Array, k: int | None, path: Path, fmt: str, offset: int, what: str) -> np.ndarray:
     """n x k values of a list column, refusing ragged rows."""
     lengths = pc.list_value_length(col).to_numpy(zero_copy_only=False)
@@ -160,11 +168,8 @@ class _LongPivot:
         layer = _column(batch, s.layer, path).astype(np.int64)
         cols = {"row": offset + np.arange(len(layer)), "request": _column(batch, s.request, path).astype(np.int64),
                 "token": _column(batch, s.token, path).astype(np.int64), "layer": layer, "ids": ids}
-        for what, values, limit in (("expert id", ids, self.E), ("layer", layer, self.L)):
-            bad = np.flatnonzero(((values < 0) | (values >= limit)).reshape(len(layer), -1).any(1))
-            if len(bad):
-                raise ImportFormatError(f"{path} {_line(self.fmt, offset + bad[0])}: {what} "
-                                        f"{values[bad[0]].tolist()} out of range 0..{limit - 1}")
+        _refuse_out_of_range(ids, self.E, path, self.fmt, offset, "expert id")
+        _refuse_out_of_range(layer, self.L, path, self.fmt, offset, "layer")
         if s.scores:
             cols["scores"] = _fixed(_list_column(batch, s.scores, path, pa.float64()), self.k, path, self.fmt, offset,
                                     "scores")
@@ -227,11 +232,7 @@ def _scan_long(path: Path, s: ImportSettings) -> tuple[int, int, int]:
         if len(col):
             ids = _fixed(col, k, path, fmt, offset, "experts")
             k = ids.shape[1]
-            bad = np.flatnonzero(((ids < 0) | (ids >= (s.num_experts or 1 << 62))).any(1))
-            if len(bad):
-                limit = f"out of range 0..{s.num_experts - 1}" if s.num_experts else "negative"
-                raise ImportFormatError(f"{path} {_line(fmt, offset + bad[0])}: expert id {ids[bad[0]].tolist()} "
-                                        f"{limit}")
+            _refuse_out_of_range(ids, s.num_experts, path, fmt, offset, "expert id")
             L = max(L, int(pc.max(batch.column(s.layer)).as_py()))
             E = max(E, int(ids.max()))
         offset += batch.num_rows
@@ -252,6 +253,8 @@ def _sglang_tokens(path: Path) -> Iterator[_Tokens | int]:
         raise ImportFormatError(f"{path}: no per_token records (need 'records' with 'topk_ids_of_layer'; record "
                                 "with SGLang's expert distribution recorder in per_token mode)")
     mapping = payload.get("last_physical_to_logical_map")
+    if mapping is not None:
+        mapping = torch.as_tensor(mapping).to(torch.int64)  # layers x physical experts
     arrays = []
     for i, r in enumerate(records):
         ids = r["topk_ids_of_layer"].to(torch.int64)  # layers x T x k
@@ -259,8 +262,7 @@ def _sglang_tokens(path: Path) -> Iterator[_Tokens | int]:
             raise ImportFormatError(f"{path} record {i}: topk_ids_of_layer has shape {tuple(ids.shape)}, "
                                     "expected [layers, tokens, k]")
         if mapping is not None:
-            table = torch.as_tensor(mapping).to(torch.int64)  # layers x physical experts
-            ids = torch.where(ids >= 0, table.gather(1, ids.clamp(min=0).flatten(1)).view_as(ids), ids)
+            ids = torch.where(ids >= 0, mapping.gather(1, ids.clamp(min=0).flatten(1)).view_as(ids), ids)
         arrays.append((i, r, ids.permute(1, 0, 2).numpy()))  # T x layers x k
     moe = np.zeros(arrays[0][2].shape[1], dtype=bool)
     for _, _, a in arrays:

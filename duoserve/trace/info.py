@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import pyarrow.compute as pc
 
 from duoserve.trace.format import Trace
 
@@ -19,42 +18,39 @@ class TraceSummary:
     tokens: dict[tuple[str, str], int]  # (dataset, phase) -> rows
     usage: np.ndarray  # L x E: how often each expert was selected
 
-    @property
-    def num_layers(self) -> int:
-        return self.usage.shape[0]
 
-    def layer_stats(self) -> list[dict]:
-        """Per layer: share of experts used, max load relative to uniform, normalised entropy."""
-        L, E = self.usage.shape
-        stats = []
-        for l in range(L):
-            counts = self.usage[l]
-            total = counts.sum()
-            p = counts / max(total, 1)
-            nz = p[p > 0]
-            stats.append({
-                "layer": l,
-                "experts_used": int((counts > 0).sum()),
-                "max_over_uniform": float(p.max() * E) if total else 0.0,
-                "entropy": float(-(nz * np.log(nz)).sum() / np.log(E)) if total else 0.0,
-            })
-        return stats
+def expert_counts(ids: np.ndarray, num_experts: int) -> np.ndarray:
+    """L x E selection counts of one N x L x k batch of expert ids."""
+    _, L, _ = ids.shape
+    E = num_experts
+    layer = np.arange(L, dtype=np.int32)[None, :, None]  # 1 x L x 1
+    return np.bincount((layer * E + ids.astype(np.int32)).ravel(), minlength=L * E).reshape(L, E)
 
 
 def expert_usage(trace: Trace, phase: str | None = None, dataset: str | None = None) -> np.ndarray:
     """L x E counts of expert selections, streamed batch by batch."""
-    L, E, k = trace.meta.num_layers, trace.meta.num_experts, trace.meta.top_k
-    filt = None
-    for name, value in (("phase", phase), ("dataset", dataset)):
-        if value is not None:
-            cond = pc.field(name) == value
-            filt = cond if filt is None else filt & cond
-    usage = np.zeros((L, E), dtype=np.int64)
-    layer_of = np.repeat(np.arange(L), k)  # L*k: the layer of each slot
-    for batch in trace.dataset.to_batches(columns=["experts"], filter=filt):
-        ids = batch.column("experts").flatten().to_numpy().reshape(-1, L * k)  # N x L*k
-        usage += np.bincount((layer_of * E + ids).ravel(), minlength=L * E).reshape(L, E)
+    usage = np.zeros((trace.meta.num_layers, trace.meta.num_experts), dtype=np.int64)
+    for ids in trace.iter_experts(phase, [dataset] if dataset else None):
+        usage += expert_counts(ids, trace.meta.num_experts)
     return usage
+
+
+def layer_stats(usage: np.ndarray) -> list[dict]:
+    """Per layer of an L x E usage table: experts used, max load relative to uniform, normalised entropy."""
+    L, E = usage.shape
+    stats = []
+    for l in range(L):
+        counts = usage[l]
+        total = counts.sum()
+        p = counts / max(total, 1)
+        nz = p[p > 0]
+        stats.append({
+            "layer": l,
+            "experts_used": int((counts > 0).sum()),
+            "max_over_uniform": float(p.max() * E) if total else 0.0,
+            "entropy": float(-(nz * np.log(nz)).sum() / np.log(E)) if total else 0.0,
+        })
+    return stats
 
 
 def summarize(trace: Trace) -> TraceSummary:

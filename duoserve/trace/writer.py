@@ -70,7 +70,6 @@ class TraceWriter:
         self._seq = 1 + max((int(f.stem.rsplit("-", 1)[1]) for f in own), default=-1)
         self._buffer: list[pa.RecordBatch] = []
         self._buffered = 0
-        self.rows_written = 0
 
     def add(self, columns: dict[str, np.ndarray]) -> None:
         """Add rows: 1-D arrays for scalar columns, 2-D (rows x width) arrays for list columns."""
@@ -96,5 +95,4 @@ class TraceWriter:
         pq.write_table(pa.Table.from_batches(self._buffer, schema=self.schema), tmp, compression="zstd")
         os.replace(tmp, path)
         self._seq += 1
-        self.rows_written += self._buffered
         self._buffer, self._buffered = [], 0

@@ -24,7 +24,7 @@ from duoserve.predictor.artifact import save_predictor
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
 from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
 from duoserve.trace.format import open_trace
-from duoserve.train.lightning import ExampleSet, PredictorModule, RoutingDataModule
+from duoserve.train.lightning import ExampleSet, PredictorModule, RoutingDataModule, previous_experts
 
 MONITOR = "val/exact_topk"
 
@@ -77,7 +77,7 @@ def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Exa
     truth = []
     for i in range(0, len(data), batch_size):
         b = data.__getitems__(list(range(i, min(i + batch_size, len(data)))))
-        prev = b["history"].gather(1, (b["target"] - 1)[:, None, None].expand(-1, 1, b["history"].shape[2]))[:, 0]
+        prev = previous_experts(b)  # B x k
         scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate")))
         scores["popularity"].append(popularity_scores(predictor.popularity, b["target"]))
         scores["affinity"].append(affinity_markov_scores(predictor.affinity, prev, b["target"]))

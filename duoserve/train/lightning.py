@@ -38,6 +38,11 @@ class ExampleSet(Dataset):
         return {k: v[0] for k, v in self.__getitems__([i]).items()}
 
 
+def previous_experts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """B x k: the experts routed one layer before each example's target."""
+    return batch["history"][torch.arange(len(batch["target"])), batch["target"] - 1]
+
+
 def _identity(batch):
     return batch
 
