@@ -5,6 +5,7 @@ Shape values copied from the models' published config.json files (architecture n
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -46,3 +47,10 @@ def write_result(path: Path | None, report: dict) -> None:
 def random_routing(rng: np.random.Generator, n: int, L: int, E: int, k: int) -> np.ndarray:
     """n x L x k uniformly random top-k expert ids, distinct within a layer (as a router picks them)."""
     return np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k]
+
+
+def add_geometry_args(ap: argparse.ArgumentParser, layers: int = 48, experts: int = 128, top_k: int = 8) -> None:
+    """--layers/--experts/--top-k (default: Qwen3-30B-A3B's MoE geometry)."""
+    ap.add_argument("--layers", type=int, default=layers)
+    ap.add_argument("--experts", type=int, default=experts)
+    ap.add_argument("--top-k", type=int, default=top_k)

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_routing, write_result  # noqa: E402
+from common import add_geometry_args, random_routing, write_result  # noqa: E402
 
 from duoserve.evaluate import scorers as S
 from duoserve.evaluate.accuracy import hits_at_budgets, summarize
@@ -42,9 +42,7 @@ def synthetic_table(tokens: int, L: int, E: int, k: int) -> RoutingTable:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--predictions", type=int, default=1_000_000)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--experts", type=int, default=16)
-    ap.add_argument("--top-k", type=int, default=4)
+    add_geometry_args(ap, 8, 16, 4)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)

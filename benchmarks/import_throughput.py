@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_routing, write_result  # noqa: E402
+from common import add_geometry_args, random_routing, write_result  # noqa: E402
 
 from duoserve.trace.importers import ImportSettings, import_trace
 
@@ -40,9 +40,7 @@ def write_log(path: Path, rows: int, L: int, E: int, k: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=10_000_000)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
+    add_geometry_args(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     pa.set_cpu_count(1)

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_result  # noqa: E402
+from common import add_geometry_args, write_result  # noqa: E402
 
 from duoserve.predictor.fast import GraphedPredictor, SparseHistoryPredictor, fold_batchnorm
 from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
@@ -86,9 +86,7 @@ def replay_gpu_ms(graphed, device, iters: int = 1000) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
+    add_geometry_args(ap)
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()

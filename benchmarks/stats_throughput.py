@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import random_routing, write_result  # noqa: E402
+from common import add_geometry_args, random_routing, write_result  # noqa: E402
 
 from duoserve.features.stats import compute_stats
 from duoserve.trace.format import TraceMeta, open_trace
@@ -44,9 +44,7 @@ def synthetic_trace(out: Path, rows: int, L: int, E: int, k: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=200_000)
-    ap.add_argument("--layers", type=int, default=48)
-    ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--top-k", type=int, default=8)
+    add_geometry_args(ap)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
