@@ -1,0 +1,102 @@
+"""The device expert cache: S slots of packed experts shared by all layers, keyed by (layer, expert).
+
+Shape legend: S slots, P elements of one packed expert.
+
+Each slot carries two events: ``ready`` (its copy has landed; compute waits on it) and ``free``
+(the last compute that read it has run; a copy into it waits on it), so a slot can be refilled
+while other slots compute, with no CPU synchronisation. Eviction picks, among the slots a call may
+take, the lowest (wanted, last used): ``wanted`` is the predictor's score for an expert fetched for
+a layer still to run, and recency breaks ties, so with no predictor it is plain LRU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from duoserve.runtime.store import ExpertLayout, HostExperts
+from duoserve.runtime.streams import Streams
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+@dataclass
+class CacheStats:
+    lookups: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    hits: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    copies: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    bytes: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    prefetched: int = 0  # copies made for a layer before its router ran
+    prefetch_used: int = 0  # of those, experts the layer really routed to
+
+
+class ExpertCache:
+    """``slots`` packed experts on ``streams.device``; see the module docstring for the rules."""
+
+    def __init__(self, layout: ExpertLayout, slots: int, streams: Streams):
+        if slots < 1:
+            raise ValueError(f"the expert cache needs at least one slot, got {slots}")
+        self.layout, self.streams = layout, streams
+        self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.device)  # S x P
+        self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
+        self.key: list[Key | None] = [None] * slots
+        self.slot_of: dict[Key, int] = {}
+        self.ready: list = [None] * slots
+        self.free: list = [None] * slots
+        self.used = [0] * slots
+        self.wanted = [0.0] * slots
+        self.stats = CacheStats()
+
+    @property
+    def slots(self) -> int:
+        return len(self.key)
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def lookup(self, key: Key) -> int | None:
+        return self.slot_of.get(key)
+
+    def victim(self, keep: set[Key]) -> int:
+        """The slot to refill: empty first, then lowest (wanted, last used), never one holding a key in ``keep``."""
+        best, best_rank = None, None
+        for s, key in enumerate(self.key):
+            if key in keep:
+                continue
+            rank = (-1.0, -1) if key is None else (self.wanted[s], self.used[s])
+            if best_rank is None or rank < best_rank:
+                best, best_rank = s, rank
+        if best is None:
+            raise RuntimeError(f"expert cache of {self.slots} slots has no slot to refill "
+                               f"({len(keep)} experts must stay); raise the GPU expert budget")
+        return best
+
+    def fetch(self, key: Key, store: HostExperts, phase: str, keep: set[Key], tick: int, stream=None,
+              wanted: float = 0.0) -> int:
+        """Copy expert ``key`` from ``store`` into a victim slot on ``stream`` (default: copy stream); its slot."""
+        s = self.victim(keep)
+        if self.key[s] is not None:
+            del self.slot_of[self.key[s]]
+        stream = stream or self.streams.copy
+        self.streams.wait(stream, self.free[s])  # the slot's last reader has run
+        with self.streams.on(stream):
+            nbytes = store.copy_into(key[1], self.buffer[s])
+        self.ready[s] = self.streams.record(stream)
+        self.key[s], self.slot_of[key] = key, s
+        self.used[s], self.wanted[s] = tick, wanted
+        self.stats.copies[phase] += 1
+        self.stats.bytes[phase] += nbytes
+        return s
+
+    def release(self, slots: list[int], tick: int) -> None:
+        """Mark ``slots`` as read by the compute queued so far (their next copy waits for it)."""
+        event = self.streams.record()
+        for s in slots:
+            self.free[s], self.used[s], self.wanted[s] = event, tick, 0.0
+
+    def forget(self) -> None:
+        """Drop every key (the slots' contents stay until refilled)."""
+        self.slot_of.clear()
+        self.key = [None] * self.slots

@@ -1,0 +1,267 @@
+"""The offload engine: runs a transformers MoE model whose routed experts live in host memory.
+
+Shape legend: T tokens in a forward pass, B sequences, H hidden size, L MoE layers, E experts,
+k top-k, S cache slots, n (token, expert) pairs of a group.
+
+It plugs in through transformers' experts interface: ``with OffloadEngine(...)`` registers one
+experts implementation and switches the model to it, plus one forward pre-hook that tells prefill
+from decode; leaving the ``with`` restores the model's own implementation and removes both. Each
+MoE layer's call then runs, for the experts its router chose:
+
+  1. one CPU read of the routing (which experts, how many tokens each), grouped by expert;
+  2. the experts already in the device cache, in one call of the model's own experts kernel
+     (grouped_mm, batched_mm or eager) over the cache slots;
+  3. every other expert as soon as its copy lands: fetched on the copy stream and pipelined with
+     compute (policies with ``overlap``) or copied on the compute stream and waited for (on-demand);
+  4. decode with a predictor: the predictor scores layer l+1 on its own stream from the token's
+     routing history while 2-3 run, and its top experts are copied into the cache right away, so
+     layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
+     miss is fetched at once. Batches use the union of their tokens' experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+from duoserve.predictor.model import ExpertPredictor
+from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.policies import Policy
+from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
+from duoserve.runtime.store import HostExperts
+from duoserve.runtime.streams import SpanTimer, Streams
+from duoserve.trace.hooks import find_moe_layers, moe_geometry
+
+
+class _SlotView:
+    """An experts module as its kernels see it, with the cache's slots in place of its experts."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], count: int):
+        self.__dict__.update(_module=module, _weights=weights, num_experts=count)
+
+    def __getattr__(self, name: str):
+        weights = self.__dict__["_weights"]
+        return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
+
+
+@dataclass
+class _Pairs:
+    """A layer call's (token, expert) pairs sorted by expert: expert e owns pairs starts[e]:starts[e + 1]."""
+
+    token: torch.Tensor  # T*k token index of each pair
+    weight: torch.Tensor  # T*k routing weight of each pair
+    starts: list[int]  # E + 1
+
+
+def default_capacity(policy: Policy, num_experts: int, top_k: int) -> int:
+    """Cache slots when no budget is given: k for the layer computing plus k for the one being prefetched;
+    k for policies that keep nothing; two whole layers for full-layer prefetch."""
+    if policy.prefetch_layer:
+        return 2 * num_experts
+    return 2 * top_k if policy.reuse else top_k
+
+
+class OffloadEngine:
+    """Serve ``model`` with its routed experts in ``stores`` (one per MoE layer) under ``policy``.
+
+    ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
+    ``routing``: a source that overrides the routers' choices (benchmarks on random weights).
+    ``gpu_expert_budget``: bytes for cached experts; more slots than the default when it allows.
+    """
+
+    def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
+                 predictor: ExpertPredictor | LayerPredictor | None = None, routing: RoutingSource | None = None,
+                 gpu_expert_budget: int | None = None, device: torch.device | str | None = None):
+        if policy.resident:
+            raise ValueError("the all-resident policy runs the model as it is, with no engine")
+        self.model, self.policy, self.routing = model, policy, routing
+        self.layers = find_moe_layers(model)
+        geometry = moe_geometry(model, self.layers)
+        self.L, self.E, self.k = geometry.num_layers, geometry.num_experts, geometry.top_k
+        if len(stores) != self.L:
+            raise ValueError(f"{len(stores)} expert stores for {self.L} MoE layers")
+        if policy.pinned != (stores[0].packed is not None):
+            raise ValueError(f"policy {policy.name} needs {'packed' if policy.pinned else 'per-module'} expert stores")
+        self.stores = stores
+        if isinstance(predictor, ExpertPredictor):
+            predictor.check_geometry(self.L, self.E, self.k)
+        if predictor is not None and not policy.predict:
+            raise ValueError(f"policy {policy.name} does not use a predictor")
+        self.device = torch.device(device) if device is not None else next(model.parameters()).device
+        self.streams = Streams(self.device)
+        self.predictor = TrainedPredictor(predictor, self.device) if isinstance(predictor, ExpertPredictor) \
+            else predictor
+        slots = default_capacity(policy, self.E, self.k)
+        if gpu_expert_budget is not None and policy.reuse:
+            slots = max(slots, gpu_expert_budget // stores[0].layout.nbytes)
+        self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
+        self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
+        self._layer_of = {id(layer.experts): i for i, layer in enumerate(self.layers)}
+        self._name = f"duoserve-offload-{id(self):x}"
+        self.phase, self.tick = "prefill", 0
+        self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
+        self._prefetched: set[tuple[int, int]] = set()
+
+    # installation -------------------------------------------------------------------------------
+    def __enter__(self) -> OffloadEngine:
+        self._previous = self.model.config._experts_implementation
+        self._kernels = [ALL_EXPERTS_FUNCTIONS.get_interface(self._previous, type(layer.experts).forward.__wrapped__)
+                         for layer in self.layers]
+        ALL_EXPERTS_FUNCTIONS[self._name] = self._experts_forward
+        self.model.set_experts_implementation(self._name)
+        self._hook = self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.streams.synchronize()
+        self._hook.remove()
+        self.model.set_experts_implementation(self._previous)
+        del ALL_EXPERTS_FUNCTIONS[self._name]
+
+    def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids")
+        x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
+        B, S = x.shape[:2]
+        self.phase = "prefill" if S > 1 else "decode"
+        if self.routing is not None:
+            self.routing.begin(B * S)
+        if self.phase == "decode" and self.predictor is not None and (
+                self._history is None or len(self._history) != B):
+            self._history = torch.zeros(B, self.L, self.k, dtype=torch.long, device=self.device)
+
+    def _experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        l = self._layer_of[id(module)]
+        if self.routing is not None:
+            top_k_index = self.routing.ids(l).to(self.device)  # T x k
+        return self.run_layer(l, hidden, top_k_index, top_k_weights)
+
+    # one MoE layer ------------------------------------------------------------------------------
+    def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
+        self.tick += 1
+        cache, phase, k = self.cache, self.phase, idx.shape[1]
+        flat = idx.reshape(-1)  # T*k
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.E).cpu()  # E; the CPU waits for the router here
+        routed = self.streams.record()
+        needed = counts.nonzero().flatten().tolist()
+        pairs = _Pairs(order // k, weights.reshape(-1)[order], [0] + counts.cumsum(0).tolist())
+        if not self.policy.reuse:
+            cache.forget()
+        for s, key in enumerate(cache.key):
+            if key is not None and key[0] == l:
+                cache.wanted[s] = 0.0  # this layer's router has spoken; predictions for it are moot
+
+        hits = {e: s for e in needed if (s := cache.lookup((l, e))) is not None}
+        cache.stats.lookups[phase] += len(needed)
+        cache.stats.hits[phase] += len(hits)
+        cache.stats.prefetch_used += sum((l, e) in self._prefetched for e in hits)
+        self._prefetched = {key for key in self._prefetched if key[0] != l}
+
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
+        if hits:
+            with self.stall.span():
+                for s in hits.values():
+                    self.streams.wait(self.streams.compute, cache.ready[s])
+            self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
+        predicting = (self.policy.predict and self.predictor is not None and phase == "decode" and l + 1 < self.L
+                      and self._history is not None and len(self._history) == len(idx))
+        if predicting:
+            scores = self._launch_predictor(l, idx, routed)
+        copy_stream = self.streams.copy if self.policy.overlap else self.streams.compute
+        for e in needed:
+            if e in hits:
+                continue
+            with self.stall.span():
+                s = cache.fetch((l, e), self.stores[l], phase, keep=set(), tick=self.tick, stream=copy_stream)
+                self.streams.wait(self.streams.compute, cache.ready[s])
+            self._compute(l, hidden, pairs, {e: s}, out)
+        if predicting:
+            self._prefetch(l + 1, self._rank(scores))
+        elif self.policy.prefetch_layer:
+            self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
+        return out.to(hidden.dtype)
+
+    def _compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor,
+                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
+        """Add the output of experts ``slots`` (expert -> slot) to ``out``; ``idx``: they are all the layer routed to."""
+        cache = self.cache
+        view = _SlotView(self.layers[l].experts, cache.views, cache.slots)
+        kernel = self._kernels[l]
+        if idx is not None:  # every routed expert is resident: one call on the routing as it is, slots for ids
+            table = torch.zeros(self.E, dtype=torch.long)
+            table[list(slots)] = torch.tensor(list(slots.values()))
+            out += kernel(view, hidden, table.to(self.device)[idx], weights).float()  # T x H
+        else:
+            starts = pairs.starts
+            if len(slots) == 1:
+                (e, s), = slots.items()
+                chosen = slice(starts[e], starts[e + 1])
+                slot_ids = torch.full((starts[e + 1] - starts[e], 1), s, dtype=torch.long, device=self.device)
+            else:
+                chosen = torch.cat([torch.arange(starts[e], starts[e + 1]) for e in slots]).to(self.device)  # n
+                sizes = torch.tensor([starts[e + 1] - starts[e] for e in slots])
+                slot_ids = torch.tensor(list(slots.values())).repeat_interleave(sizes)[:, None].to(self.device)
+            token = pairs.token[chosen]  # n
+            res = kernel(view, hidden[token], slot_ids, pairs.weight[chosen][:, None])  # n x H
+            out.index_add_(0, token, res.float())
+        cache.release(list(slots.values()), self.tick)
+
+    # decode prediction --------------------------------------------------------------------------
+    def _launch_predictor(self, l: int, idx: torch.Tensor, routed) -> tuple:
+        """Queue the predictor for layer l+1 on its stream: B x k top ids and scores on the host, and the
+        event that says they have landed (the CPU reads them only after the misses are queued)."""
+        stream = self.streams.predict
+        self.streams.wait(stream, routed)
+        with self.streams.on(stream), self.predict_time.span(stream):
+            self._history[:, l].copy_(idx)
+            top = self.predictor.scores(self._history, l + 1).topk(self.k, dim=1)  # B x k
+            ids, vals = top.indices.to("cpu", non_blocking=True), top.values.float().to("cpu", non_blocking=True)
+            done = self.streams.record(stream)
+        return ids, vals, done
+
+    def _rank(self, scores) -> list[tuple[int, float]]:
+        """The predicted union of the batch's experts, best score first."""
+        ids, vals, done = scores
+        if done is not None:
+            done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
+        best: dict[int, float] = {}
+        for e, v in zip(ids.flatten().tolist(), vals.flatten().tolist()):
+            best[e] = max(v, best.get(e, 0.0))
+        return sorted(best.items(), key=lambda item: -item[1])
+
+    def _prefetch(self, layer: int, ranked: list[tuple[int, float]]) -> None:
+        """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream."""
+        cache, keep = self.cache, set()
+        for e, score in ranked[:cache.slots]:
+            key = (layer, e)
+            keep.add(key)
+            s = cache.lookup(key)
+            if s is None:
+                cache.fetch(key, self.stores[layer], self.phase, keep, self.tick, wanted=score)
+                cache.stats.prefetched += 1
+                self._prefetched.add(key)
+            else:
+                cache.wanted[s] = max(cache.wanted[s], score)
+
+    # measurement --------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        self.streams.synchronize()
+        self.cache.stats = type(self.cache.stats)()
+        self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
+
+    def stats(self) -> dict:
+        """Counters since the last reset: bytes and copies per phase, hit rates, stall and predictor time."""
+        s = self.cache.stats
+        return {
+            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
+            "bytes_h2d": dict(s.bytes), "copies": dict(s.copies),
+            "hit_rate": {p: s.hits[p] / s.lookups[p] if s.lookups[p] else None for p in s.lookups},
+            "prefetched": s.prefetched,
+            "prefetch_precision": s.prefetch_used / s.prefetched if s.prefetched else None,
+            "stall_ms": self.stall.total_ms(), "predictor_ms": self.predict_time.total_ms(),
+        }

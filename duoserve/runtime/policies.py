@@ -1,0 +1,38 @@
+"""The offload policies the engine runs: DuoServe's dual-phase schedule and the baselines it is measured against."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    about: str
+    pinned: bool = True  # host experts packed in pinned memory (else pageable, one copy per parameter)
+    overlap: bool = True  # fetch on the copy stream, pipelined with compute (else on the compute stream, blocking)
+    reuse: bool = True  # experts stay cached across layers and tokens (else each call fetches what it routes to)
+    predict: bool = False  # decode: prefetch the predictor's experts for layer l+1 while layer l computes
+    prefetch_layer: bool = False  # prefetch every expert of layer l+1 while layer l computes
+    resident: bool = False  # no offload: every expert on the device (the upper bound)
+
+
+POLICIES = {p.name: p for p in [
+    Policy("duoserve", "prefill: each routed expert fetched once, pipelined on two streams, cached ones first; "
+                       "decode: predictor-driven prefetch of layer l+1, misses fetched at the gate", predict=True),
+    Policy("on-demand", "fetch each routed expert at the gate and wait for it (pinned, one copy per expert)",
+           overlap=False, reuse=False),
+    Policy("accelerate", "as Accelerate's cpu_offload: pageable memory, one blocking copy per parameter, nothing "
+                         "kept between calls", pinned=False, overlap=False, reuse=False),
+    Policy("lru", "on-demand fetches into an LRU expert cache of the same budget (as mixtral-offloading)",
+           overlap=False),
+    Policy("full-layer", "prefetch all of layer l+1's experts while layer l computes (as MoESys)",
+           prefetch_layer=True),
+    Policy("all-resident", "every expert on the device; no offload (the upper bound, where it fits)", resident=True),
+]}
+
+
+def get_policy(name: str) -> Policy:
+    if name not in POLICIES:
+        raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")
+    return POLICIES[name]

@@ -1,0 +1,111 @@
+"""Where routing and predictions come from in a run.
+
+Routing: the model's own router (no source), uniform random top-k, or a replayed trace. Random
+weights make a model's router degenerate (a few experts take every token), so benchmarks on
+config-only models drive routing with one of the sources here. A source draws the routing of every
+layer when a forward pass starts, so an oracle can look one layer ahead.
+
+Predictors score the experts of layer l+1 for each token of a decode step: a trained artifact
+(features from the token's routing history), or an oracle that knows the source's routing and is
+degraded to a chosen recall, so latency can be charted against prediction accuracy.
+
+Shape legend: T tokens in a forward pass, B sequences, L MoE layers, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from duoserve.predictor.fast import fold_batchnorm
+from duoserve.predictor.model import ExpertPredictor
+
+
+class RoutingSource(Protocol):
+    def begin(self, tokens: int) -> None: ...
+    def ids(self, layer: int) -> torch.Tensor: ...  # T x k, CPU
+
+
+class RandomRouting:
+    """Uniformly random, distinct top-k experts per token and layer (seeded)."""
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, seed: int = 0):
+        self.shape, self.generator = (num_layers, num_experts, top_k), torch.Generator().manual_seed(seed)
+        self._ids: torch.Tensor | None = None
+
+    def begin(self, tokens: int) -> None:
+        L, E, k = self.shape
+        self._ids = torch.rand(L, tokens, E, generator=self.generator).argsort(-1)[..., :k]  # L x T x k
+
+    def ids(self, layer: int) -> torch.Tensor:
+        return self._ids[layer]
+
+
+class ReplayRouting:
+    """The token rows of a trace (optionally one phase), in file order and cycling, as successive tokens' routing."""
+
+    def __init__(self, trace: str | Path, num_layers: int, num_experts: int, top_k: int, phase: str | None = None):
+        from duoserve.trace.format import open_trace
+
+        t = open_trace(trace)
+        geometry = (t.meta.num_layers, t.meta.num_experts, t.meta.top_k)
+        if geometry != (num_layers, num_experts, top_k):
+            raise ValueError(f"trace {trace} has L, E, k = {geometry}; the model has "
+                             f"{(num_layers, num_experts, top_k)}")
+        parts = list(t.iter_experts(phase))
+        if not parts:
+            raise ValueError(f"trace {trace} has no {phase or ''} rows to replay".replace("  ", " "))
+        self.rows = torch.from_numpy(np.concatenate(parts)).long()  # N x L x k
+        if (self.rows < 0).any():
+            raise ValueError(f"trace {trace} has missing expert ids (-1); it cannot drive routing")
+        self.cursor, self._ids = 0, None
+
+    def begin(self, tokens: int) -> None:
+        take = (self.cursor + torch.arange(tokens)) % len(self.rows)
+        self.cursor = (self.cursor + tokens) % len(self.rows)
+        self._ids = self.rows[take].transpose(0, 1)  # L x T x k
+
+    def ids(self, layer: int) -> torch.Tensor:
+        return self._ids[layer]
+
+
+class LayerPredictor(Protocol):
+    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor: ...  # B x E, on history's device
+
+
+class TrainedPredictor:
+    """An exported predictor (BatchNorm folded) scoring layer ``target`` from the B x L x k routing history."""
+
+    def __init__(self, predictor: ExpertPredictor, device: torch.device):
+        if predictor.spec.nextgate:
+            raise ValueError("this predictor needs next-gate features, which the runtime does not compute yet; "
+                             "train one without --nextgate")
+        self.model = fold_batchnorm(predictor).to(device)
+
+    @torch.no_grad()
+    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor:
+        layer = torch.full((len(history),), target, dtype=torch.long, device=history.device)
+        return self.model(history, layer).sigmoid()  # B x E
+
+
+class OraclePredictor:
+    """Knows the routing source's choice for ``target`` and keeps each true expert with probability ``recall``,
+    replacing the others by random experts the token does not route to."""
+
+    def __init__(self, routing: RoutingSource, num_experts: int, recall: float = 1.0, seed: int = 0):
+        if not 0.0 <= recall <= 1.0:
+            raise ValueError(f"oracle recall must be in [0, 1], got {recall}")
+        self.routing, self.E, self.recall = routing, num_experts, recall
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor:
+        true = self.routing.ids(target)  # B x k
+        B, k = true.shape
+        others = torch.rand(B, self.E, generator=self.generator).scatter_(1, true, -1.0)  # true experts last
+        wrong = others.topk(k, dim=1).indices  # B x k experts the token does not route to
+        keep = torch.rand(B, k, generator=self.generator) < self.recall
+        guess = torch.where(keep, true, wrong)
+        return torch.zeros(B, self.E).scatter_(1, guess, 1.0).to(history.device)  # B x E

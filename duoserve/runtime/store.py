@@ -1,0 +1,138 @@
+"""Routed experts in host memory: taken off the model, kept per layer, copied to the device one expert at a time.
+
+Shape legend: L MoE layers, E experts per layer, P elements of one packed expert, S device slots.
+
+Two forms, one per kind of fetch the policies compare:
+  packed  E x P, pinned when a GPU is present: every parameter of expert e in one contiguous row,
+          so one asynchronous copy moves the whole expert at full PCIe bandwidth.
+  modules the model's own E x ... parameters, pageable: one blocking copy per parameter, which is
+          what a per-module offload hook (Accelerate's cpu_offload) does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import torch
+from torch import nn
+
+from duoserve.trace.hooks import MoELayer
+
+T = TypeVar("T")
+_ALIGN = 8  # elements: keeps every parameter's offset 16-byte aligned for bf16 grouped GEMMs
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Which per-expert parameters an experts module has, and where each sits in a packed row."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]  # per expert, without the leading E
+    offsets: tuple[int, ...]
+    numel: int  # P, padded
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, params: dict[str, torch.Tensor]) -> ExpertLayout:
+        dtypes = {p.dtype for p in params.values()}
+        if len(dtypes) != 1:
+            raise ValueError(f"experts parameters mix dtypes {sorted(map(str, dtypes))}; cast the model to one dtype")
+        names, shapes, offsets, offset = [], [], [], 0
+        for name, p in params.items():
+            names.append(name)
+            shapes.append(tuple(p.shape[1:]))
+            offsets.append(offset)
+            offset += math.ceil(p[0].numel() / _ALIGN) * _ALIGN
+        return cls(tuple(names), tuple(shapes), tuple(offsets), offset, dtypes.pop())
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert (packed)."""
+        return self.numel * self.dtype.itemsize
+
+    def views(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Per-parameter views (N x shape) of packed rows (N x P); no copy."""
+        return {name: rows[:, off:off + math.prod(shape)].view(len(rows), *shape)
+                for name, shape, off in zip(self.names, self.shapes, self.offsets)}
+
+
+class HostExperts:
+    """One MoE layer's routed experts in host memory (packed or per module, see the module docstring)."""
+
+    def __init__(self, layout: ExpertLayout, packed: torch.Tensor | None = None,
+                 modules: dict[str, torch.Tensor] | None = None):
+        self.layout, self.packed, self.modules = layout, packed, modules
+
+    @classmethod
+    def pack(cls, params: dict[str, torch.Tensor], pin: bool) -> HostExperts:
+        """Packed E x P copy of ``params`` (pinned if ``pin``)."""
+        layout = ExpertLayout.of(params)
+        E = len(next(iter(params.values())))
+        packed = torch.zeros(E, layout.numel, dtype=layout.dtype, pin_memory=pin)  # E x P
+        for name, view in layout.views(packed).items():
+            view.copy_(params[name])
+        return cls(layout, packed=packed)
+
+    @classmethod
+    def as_modules(cls, params: dict[str, torch.Tensor]) -> HostExperts:
+        """The parameters as they are (moved to pageable host memory if elsewhere)."""
+        return cls(ExpertLayout.of(params), modules={n: p.cpu().contiguous() for n, p in params.items()})
+
+    @property
+    def num_experts(self) -> int:
+        return len(self.packed if self.packed is not None else next(iter(self.modules.values())))
+
+    def copy_into(self, expert: int, slot_row: torch.Tensor) -> int:
+        """Queue the copy of ``expert`` into a device slot (a P row) on the current stream; bytes moved."""
+        if self.packed is not None:
+            slot_row.copy_(self.packed[expert], non_blocking=self.packed.is_pinned())
+        else:
+            for name, view in self.layout.views(slot_row[None]).items():
+                view[0].copy_(self.modules[name][expert])
+        return self.layout.nbytes
+
+    def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The E x ... parameters, unpacked, on ``device``."""
+        if self.modules is not None:
+            return {n: p.to(device) for n, p in self.modules.items()}
+        return {n: v.to(device).contiguous() for n, v in self.layout.views(self.packed).items()}
+
+
+def expert_params(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The experts module's own per-expert parameters (leading dim E); submodules stay with the model."""
+    E = module.num_experts
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.dim() >= 2 and p.shape[0] == E}
+
+
+def take_experts(layers: list[MoELayer], make: Callable[[dict[str, torch.Tensor]], T]) -> list[T]:
+    """Move every MoE layer's routed experts off the model into host stores made by ``make``.
+
+    The parameters are removed from their modules (so ``model.to(device)`` leaves them alone) one
+    layer at a time, which keeps the extra host memory to one layer; ``put_experts`` restores them.
+    """
+    stores = []
+    for layer in layers:
+        params = expert_params(layer.experts)
+        if not params:
+            raise ValueError(f"{layer.name} has no per-expert parameters to offload")
+        stores.append(make({n: p.detach() for n, p in params.items()}))
+        for name in params:
+            del layer.experts._parameters[name]
+    return stores
+
+
+def put_experts(layers: list[MoELayer], stores: list[HostExperts], device: torch.device | str) -> None:
+    """Give each experts module its parameters back, on ``device`` (undoes ``take_experts``)."""
+    for layer, store in zip(layers, stores):
+        for name, value in store.params(device).items():
+            layer.experts.register_parameter(name, nn.Parameter(value, requires_grad=False))
+
+
+def drop_experts(layers: list[MoELayer]) -> None:
+    """Remove the experts modules' parameters again after ``put_experts`` (frees their device memory)."""
+    for layer in layers:
+        for name in expert_params(layer.experts):
+            del layer.experts._parameters[name]
+

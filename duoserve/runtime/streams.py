@@ -1,0 +1,81 @@
+"""Streams, events and span timers on CUDA, with synchronous stand-ins when the CPU plays the GPU.
+
+On CUDA the runtime uses three streams: compute (the caller's current stream), copy (host-to-device
+expert fetches) and predict (the predictor). Work is ordered across them with events only, so the
+CPU never waits except where it must read a result (the routing, the predictor's choice). On the
+CPU every operation runs in program order, so events are ``None`` and waits do nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Iterator
+
+import torch
+
+class Streams:
+    """The runtime's three streams on ``device`` (all the same, and synchronous, on the CPU)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            self.compute = torch.cuda.current_stream(device)
+            self.copy = torch.cuda.Stream(device)
+            self.predict = torch.cuda.Stream(device)
+        else:
+            self.compute = self.copy = self.predict = None
+
+    def on(self, stream):
+        """Context that makes ``stream`` current (nothing on the CPU)."""
+        return torch.cuda.stream(stream) if self.cuda else nullcontext()
+
+    def record(self, stream=None) -> torch.cuda.Event | None:
+        """An event marking the work queued so far on ``stream`` (default: compute)."""
+        if not self.cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(stream or self.compute)
+        return event
+
+    @staticmethod
+    def wait(stream, event: torch.cuda.Event | None) -> None:
+        """Make ``stream`` wait for ``event`` (no-op for ``None``)."""
+        if event is not None:
+            stream.wait_event(event)
+
+    def synchronize(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+class SpanTimer:
+    """Total time of marked spans of one stream's work: CUDA events, read once at ``total_ms``."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self._pairs: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._cpu_ms = 0.0
+
+    @contextmanager
+    def span(self, stream=None) -> Iterator[None]:
+        if not self.streams.cuda:
+            start = time.perf_counter()
+            yield
+            self._cpu_ms += (time.perf_counter() - start) * 1e3
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        stream = stream or self.streams.compute
+        begin.record(stream)
+        yield
+        end.record(stream)
+        self._pairs.append((begin, end))
+
+    def total_ms(self) -> float:
+        """Sum of all spans so far (synchronises the device once)."""
+        if self._pairs:
+            self.streams.synchronize()
+            self._cpu_ms += sum(b.elapsed_time(e) for b, e in self._pairs)
+            self._pairs.clear()
+        return self._cpu_ms
