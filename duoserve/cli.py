@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -183,18 +184,158 @@ def export_cmd(
     console.print(f"{rows} rows -> {out}")
 
 
-def _not_built(stage: str, issue: str) -> typer.Typer:
-    app = typer.Typer(help=f"{stage} (not yet built).", pretty_exceptions_enable=False)
+run_app = typer.Typer(help="Serve an MoE model with its experts in host memory: dual-phase offload (stage 5).",
+                      no_args_is_help=True, pretty_exceptions_enable=False)
 
-    @app.callback(invoke_without_command=True)
-    def main() -> None:
-        err_console.print(f"{stage} is not built yet ({issue}).")
-        raise typer.Exit(3)
-
-    return app
+POLICY_HELP = "duoserve, on-demand, accelerate, lru, full-layer, all-resident."
 
 
-run_app = _not_built("duoserve-run: dual-phase offload runtime", "see the runtime issue")
+def _gb(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.2f}"
+
+
+def _num(value, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def _default_prompts(count: int = 2) -> list[str]:
+    from duoserve.data.tasks import load_requests, parse_datasets
+
+    return [load_requests(spec, None, 1, seed=0)[0].prompt
+            for spec in parse_datasets(DEFAULT_DATASETS)][:count]
+
+
+@run_app.command()
+def generate(
+    model: Annotated[str, typer.Option(help=f"HF model id, local path, or '{EMBEDDED_NAME}'.")] = EMBEDDED_NAME,
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        help="Prompt text; repeat for a batch. [default: one built-in SQuAD-style and one Orca-Math-style prompt]")]
+    = None,
+    predictor: Annotated[Optional[Path], typer.Option(help="Exported predictor folder (duoserve policy).")] = None,
+    policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "duoserve",
+    new_tokens: Annotated[int, typer.Option(help="Most tokens to generate (greedy; stops at EOS).")] = 64,
+    gpu_expert_budget: Annotated[Optional[str], typer.Option(
+        help="Device memory for cached experts, e.g. 8GiB. [default: 2 x top-k experts]")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
+) -> None:
+    """Generate with the experts offloaded to host memory; print the texts and the run's figures."""
+    import torch
+
+    from duoserve.predictor.artifact import load_predictor
+    from duoserve.runtime import ExpertsPlugin, OffloadEngine, get_policy, offload, parse_bytes, timed_generate
+    from duoserve.runtime.store import put_experts
+    from duoserve.trace.collect import load_model, resolve_device
+
+    try:
+        chosen = get_policy(policy)
+        budget = parse_bytes(gpu_expert_budget) if gpu_expert_budget else None
+        scorer = load_predictor(predictor) if predictor else None
+        target = resolve_device(device)
+        net, tokenizer = load_model(model, device="cpu", dtype=dtype)
+        prompts = prompt or _default_prompts()
+        if chosen.resident:
+            net.to(target)
+            plugin = ExpertsPlugin(net)
+        else:
+            stores = offload(net, chosen, target)
+            plugin = OffloadEngine(net, stores, chosen, scorer, gpu_expert_budget=budget, device=target)
+    except _USER_ERRORS as err:
+        _fail(err)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True).to(target)
+    with plugin:
+        out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
+        counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
+    if not chosen.resident:
+        put_experts(plugin.layers, stores, target)
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    for p, text in zip(prompts, texts):
+        console.print(f"[bold]{p[-60:]!r}[/] -> {text!r}")
+    table = _table(f"{chosen.name} on {target}", "figure", "value")
+    table.add_row("TTFT (s)", _num(timing["ttft_s"]))
+    table.add_row("time per output token (ms)", _num(timing["tpot_ms"], ".2f"))
+    table.add_row("end to end (s)", _num(timing["e2e_s"]))
+    table.add_row("peak GPU memory (GB)", _gb(timing["peak_gpu_bytes"]))
+    if counters:
+        table.add_row("host-to-device GB (prefill / decode)",
+                      f"{_gb(counters['bytes_h2d']['prefill'])} / {_gb(counters['bytes_h2d']['decode'])}")
+        table.add_row("decode cache hit rate", _num(counters["hit_rate"]["decode"]))
+        table.add_row("stall waiting for copies (ms)", _num(counters["stall_ms"], ".1f"))
+        table.add_row("predictor (ms)", _num(counters["predictor_ms"], ".1f"))
+    console.print(table)
+    if json_out:
+        from duoserve.trace.writer import atomic_write_bytes
+
+        result = {"policy": chosen.name, "texts": texts, **timing, **counters}
+        atomic_write_bytes(json_out, (json.dumps(result, indent=2) + "\n").encode())
+
+
+@run_app.command("bench")
+def bench_cmd(
+    model: Annotated[str, typer.Option(help=f"HF model id, local path, or '{EMBEDDED_NAME}'.")] = EMBEDDED_NAME,
+    config_only: Annotated[bool, typer.Option(
+        help="Build the model from its config with random weights, on the device (no checkpoint needed).")] = False,
+    layers: Annotated[Optional[int], typer.Option(help="Config-only: keep this many decoder layers.")] = None,
+    policy: Annotated[Optional[list[str]], typer.Option(
+        help=f"Repeatable: {POLICY_HELP} [default: duoserve, on-demand, accelerate, all-resident]")] = None,
+    predictor: Annotated[Optional[list[str]], typer.Option(
+        help="Repeatable, for the duoserve policy: none, oracle, oracle:RECALL (knows the routing, keeps each "
+             "true expert with that probability) or a predictor folder. [default: none]")] = None,
+    routing: Annotated[str, typer.Option(
+        help="router (the model's own), random (uniform top-k, seeded) or a trace folder to replay.")] = "router",
+    batch_size: Annotated[Optional[list[int]], typer.Option(help="Repeatable. [default: 1]")] = None,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 512,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per run.")] = 128,
+    baseline_new_tokens: Annotated[Optional[int], typer.Option(
+        help="Fewer tokens for the fetch-bound baselines (all but duoserve and all-resident).")] = None,
+    gpu_expert_budget: Annotated[Optional[str], typer.Option(help="Device memory for cached experts, e.g. 8GiB.")]
+    = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU for config-only), float32, bfloat16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of prompts and random routing.")] = 0,
+    out: Annotated[Path, typer.Option(help="JSON result file.")] = Path("bench.json"),
+) -> None:
+    """Run offload policies side by side: TTFT, time per token, peak memory, bytes, hit rate, and their bounds."""
+    from duoserve.runtime.bench import BenchSettings, bench
+    from duoserve.runtime.generate import parse_bytes
+    from duoserve.trace.writer import atomic_write_bytes
+
+    try:
+        s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
+                          policies=policy or BenchSettings.__dataclass_fields__["policies"].default_factory(),
+                          batch_sizes=batch_size or [1], prompt_len=prompt_len, new_tokens=new_tokens,
+                          baseline_new_tokens=baseline_new_tokens, routing=routing, predictors=predictor or ["none"],
+                          gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None, seed=seed)
+        runs_total = len(s.batch_sizes) * sum(len(s.predictors) if p == "duoserve" else 1 for p in s.policies)
+        with _progress() as bar:
+            task = bar.add_task("policies", total=runs_total)
+            result = bench(s, on_run=lambda run: bar.update(
+                task, advance=1, description=f"{run['policy']} B={run['batch_size']}"))
+    except _USER_ERRORS as err:
+        _fail(err)
+    bw = result["bandwidth"]
+    console.print(f"{result['device']}: copy bandwidth pinned {_num(bw['pinned_gbps'], '.1f')} GB/s, "
+                  f"pageable {_num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
+                  f"routing {result['routing']}")
+    table = _table("offload policies", "policy", "predictor", "B", "TTFT s", "bound", "TPOT ms", "bound",
+                   "peak GB", "H2D GB pre/dec", "decode hits", "stall ms", "pred ms")
+    for r in result["runs"]:
+        moved = r.get("bytes_h2d")
+        table.add_row(r["policy"], r["predictor"] or "-", str(r["batch_size"]), _num(r["ttft_s"]),
+                      _num(r["prefill_bound_s"]), _num(r["tpot_ms"], ".2f"), _num(r["decode_bound_ms"], ".2f"),
+                      _gb(r["peak_gpu_bytes"]), f"{_gb(moved['prefill'])}/{_gb(moved['decode'])}" if moved else "-",
+                      _num(r.get("hit_rate", {}).get("decode")), _num(r.get("stall_ms"), ".0f"),
+                      _num(r.get("predictor_ms"), ".0f"))
+    console.print(table)
+    if result["targets"]:
+        targets = _table("targets", "B", "predictor", "target", "value", "met")
+        for t in result["targets"]:
+            targets.add_row(str(t["batch_size"]), t["predictor"], t["target"], _num(t["value"], ".2f"),
+                            "yes" if t["met"] else "[red]no[/]")
+        console.print(targets)
+    atomic_write_bytes(out, (json.dumps(result, indent=2) + "\n").encode())
+    console.print(f"results: {out}")
 
 
 train_app = typer.Typer(help="Routing statistics and next-layer expert predictor training (stages 2-3).",

@@ -64,7 +64,54 @@ def default_capacity(policy: Policy, num_experts: int, top_k: int) -> int:
     return 2 * top_k if policy.reuse else top_k
 
 
-class OffloadEngine:
+class ExpertsPlugin:
+    """Inside ``with``: the model's experts modules call ``run_layer`` (registered through transformers' experts
+    interface), and a forward pre-hook tells prefill from decode. By itself it runs the model's own experts
+    kernel, on the routing of ``routing`` when one is given (the all-resident bound of a benchmark)."""
+
+    def __init__(self, model: nn.Module, routing: RoutingSource | None = None):
+        self.model, self.routing = model, routing
+        self.layers = find_moe_layers(model)
+        geometry = moe_geometry(model, self.layers)
+        self.L, self.E, self.k = geometry.num_layers, geometry.num_experts, geometry.top_k
+        self._layer_of = {id(layer.experts): i for i, layer in enumerate(self.layers)}
+        self._name = f"duoserve-{type(self).__name__}-{id(self):x}"
+        self.phase, self.batch = "prefill", 0
+
+    def __enter__(self):
+        self._previous = self.model.config._experts_implementation
+        self._kernels = [ALL_EXPERTS_FUNCTIONS.get_interface(self._previous, type(layer.experts).forward.__wrapped__)
+                         for layer in self.layers]
+        ALL_EXPERTS_FUNCTIONS[self._name] = self._experts_forward
+        self.model.set_experts_implementation(self._name)
+        self._hook = self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+        self.model.set_experts_implementation(self._previous)
+        del ALL_EXPERTS_FUNCTIONS[self._name]
+
+    def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        x = kwargs.get("input_ids")
+        x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
+        self.batch, S = x.shape[:2]
+        self.phase = "prefill" if S > 1 else "decode"
+        if self.routing is not None:
+            self.routing.begin(self.batch * S)
+
+    def _experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                         top_k_weights: torch.Tensor) -> torch.Tensor:
+        l = self._layer_of[id(module)]
+        if self.routing is not None:
+            top_k_index = self.routing.ids(l).to(hidden.device)  # T x k
+        return self.run_layer(l, hidden, top_k_index, top_k_weights)
+
+    def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return self._kernels[l](self.layers[l].experts, hidden, idx, weights)
+
+
+class OffloadEngine(ExpertsPlugin):
     """Serve ``model`` with its routed experts in ``stores`` (one per MoE layer) under ``policy``.
 
     ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
@@ -77,10 +124,8 @@ class OffloadEngine:
                  gpu_expert_budget: int | None = None, device: torch.device | str | None = None):
         if policy.resident:
             raise ValueError("the all-resident policy runs the model as it is, with no engine")
-        self.model, self.policy, self.routing = model, policy, routing
-        self.layers = find_moe_layers(model)
-        geometry = moe_geometry(model, self.layers)
-        self.L, self.E, self.k = geometry.num_layers, geometry.num_experts, geometry.top_k
+        super().__init__(model, routing)
+        self.policy = policy
         if len(stores) != self.L:
             raise ValueError(f"{len(stores)} expert stores for {self.L} MoE layers")
         if policy.pinned != (stores[0].packed is not None):
@@ -99,45 +144,19 @@ class OffloadEngine:
             slots = max(slots, gpu_expert_budget // stores[0].layout.nbytes)
         self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
         self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
-        self._layer_of = {id(layer.experts): i for i, layer in enumerate(self.layers)}
-        self._name = f"duoserve-offload-{id(self):x}"
-        self.phase, self.tick = "prefill", 0
+        self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._prefetched: set[tuple[int, int]] = set()
 
-    # installation -------------------------------------------------------------------------------
-    def __enter__(self) -> OffloadEngine:
-        self._previous = self.model.config._experts_implementation
-        self._kernels = [ALL_EXPERTS_FUNCTIONS.get_interface(self._previous, type(layer.experts).forward.__wrapped__)
-                         for layer in self.layers]
-        ALL_EXPERTS_FUNCTIONS[self._name] = self._experts_forward
-        self.model.set_experts_implementation(self._name)
-        self._hook = self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
-        return self
-
     def __exit__(self, *exc) -> None:
         self.streams.synchronize()
-        self._hook.remove()
-        self.model.set_experts_implementation(self._previous)
-        del ALL_EXPERTS_FUNCTIONS[self._name]
+        super().__exit__(*exc)
 
     def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        x = kwargs.get("input_ids")
-        x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
-        B, S = x.shape[:2]
-        self.phase = "prefill" if S > 1 else "decode"
-        if self.routing is not None:
-            self.routing.begin(B * S)
+        super()._begin_forward(module, args, kwargs)
         if self.phase == "decode" and self.predictor is not None and (
-                self._history is None or len(self._history) != B):
-            self._history = torch.zeros(B, self.L, self.k, dtype=torch.long, device=self.device)
-
-    def _experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                         top_k_weights: torch.Tensor) -> torch.Tensor:
-        l = self._layer_of[id(module)]
-        if self.routing is not None:
-            top_k_index = self.routing.ids(l).to(self.device)  # T x k
-        return self.run_layer(l, hidden, top_k_index, top_k_weights)
+                self._history is None or len(self._history) != self.batch):
+            self._history = torch.zeros(self.batch, self.L, self.k, dtype=torch.long, device=self.device)
 
     # one MoE layer ------------------------------------------------------------------------------
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

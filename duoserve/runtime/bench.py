@@ -1,0 +1,229 @@
+"""Offload policies side by side on one model (``duoserve-run bench``): latency, memory, bytes, and their bounds.
+
+Shape legend: B sequences, S prompt length, N new tokens.
+
+Each policy runs the same random prompts with the same routing. The model may be config-only
+(random weights, built on the device); then its routers are degenerate and ``routing`` should be
+``random`` or a trace to replay. Bounds, per run: prefill >= max(prefill bytes / pinned bandwidth,
+all-resident TTFT); a decode step >= max(its bytes / pinned bandwidth, all-resident time per token).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+import duoserve
+from duoserve.predictor.artifact import load_predictor
+from duoserve.runtime.engine import ExpertsPlugin, OffloadEngine
+from duoserve.runtime.generate import timed_generate
+from duoserve.runtime.policies import Policy, get_policy
+from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
+from duoserve.trace.collect import DTYPES, load_model, resolve_device, resolve_model
+from duoserve.trace.hooks import find_moe_layers, moe_geometry
+
+GB = 1e9
+
+
+@dataclass
+class BenchSettings:
+    model: str
+    config_only: bool = False
+    layers: int | None = None  # config-only: keep this many decoder layers
+    dtype: str = "auto"
+    device: str = "auto"
+    policies: list[str] = field(default_factory=lambda: ["duoserve", "on-demand", "accelerate", "all-resident"])
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    prompt_len: int = 512
+    new_tokens: int = 128
+    baseline_new_tokens: int | None = None  # fewer tokens for the fetch-bound baselines
+    routing: str = "router"  # router, random, or a trace folder to replay
+    predictors: list[str] = field(default_factory=lambda: ["none"])  # none, oracle[:recall], or an artifact
+    gpu_expert_budget: int | None = None
+    seed: int = 0
+
+
+def build_model(s: BenchSettings, device: torch.device):
+    """The model (eval mode) with all weights, on ``device`` when config-only (random init), else on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if not s.config_only:
+        if s.layers:
+            raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
+        return load_model(s.model, device="cpu", dtype=s.dtype)[0]
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(s.model))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"could not read a config for {s.model!r}: {err}") from err
+    if s.layers:
+        text = config.get_text_config()
+        text.num_hidden_layers = s.layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = text.layer_types[:s.layers]
+    dtype = DTYPES[s.dtype] if s.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 1 << 28, repeats: int = 5) -> dict[str, float | None]:
+    """Measured host-to-device GB/s from pinned and pageable memory (on the CPU: memcpy, as 'pageable')."""
+    dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    result = {}
+    for kind in ("pinned", "pageable"):
+        if kind == "pinned" and device.type != "cuda":
+            result["pinned_gbps"] = None
+            continue
+        src = torch.ones(nbytes, dtype=torch.uint8, pin_memory=kind == "pinned")
+        dst.copy_(src)
+        _sync(device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            dst.copy_(src, non_blocking=kind == "pinned")
+        _sync(device)
+        result[f"{kind}_gbps"] = nbytes * repeats / (time.perf_counter() - start) / GB
+    return result
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _routing(s: BenchSettings, L: int, E: int, k: int):
+    if s.routing == "router":
+        return None
+    if s.routing == "random":
+        return RandomRouting(L, E, k, seed=s.seed)
+    return ReplayRouting(s.routing, L, E, k)
+
+
+def _predictor(spec: str, routing, E: int, device: torch.device):
+    if spec == "none":
+        return None
+    if spec.startswith("oracle"):
+        if routing is None:
+            raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
+        return OraclePredictor(routing, E, float(spec.partition(":")[2] or 1.0))
+    return load_predictor(spec, device)
+
+
+def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, predictor: str, s: BenchSettings,
+               input_ids: torch.Tensor, new_tokens: int) -> dict:
+    """One timed generation of ``policy`` (after a short warm-up), with the engine's counters."""
+    device = input_ids.device
+    layers = find_moe_layers(model)
+    g = moe_geometry(model, layers)
+    routing = _routing(s, g.num_layers, g.num_experts, g.top_k)
+    mask = torch.ones_like(input_ids)
+    if policy.resident:
+        put_experts(layers, stores[True], device)
+        plugin = ExpertsPlugin(model, routing)
+    else:
+        plugin = OffloadEngine(model, stores[policy.pinned], policy,
+                               _predictor(predictor, routing, g.num_experts, device), routing,
+                               s.gpu_expert_budget, device)
+    try:
+        with plugin:
+            timed_generate(model, input_ids[:, :16], mask[:, :16], 2)  # warm-up: kernels, cuBLAS, allocator
+            if isinstance(plugin, OffloadEngine):
+                plugin.reset_stats()
+            _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True)
+            counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
+    finally:
+        if policy.resident:
+            drop_experts(layers)
+        del plugin
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"policy": policy.name, "predictor": predictor if policy.predict else None,
+            "batch_size": len(input_ids), **timing, **counters}
+
+
+def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
+    """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
+    for run in runs:
+        resident = next((r for r in runs if r["policy"] == "all-resident" and r["batch_size"] == run["batch_size"]),
+                        None)
+        bandwidth = (pinned_gbps or pageable_gbps) * GB
+        moved = run.get("bytes_h2d", {"prefill": 0, "decode": 0})
+        steps = max(run["new_tokens"] - 1, 1)
+        prefill = max(moved["prefill"] / bandwidth, resident["ttft_s"] if resident else 0.0)
+        decode = max(moved["decode"] / steps / bandwidth * 1e3, resident["tpot_ms"] if resident else 0.0)
+        run.update(prefill_bound_s=prefill, decode_bound_ms=decode, ttft_vs_bound=run["ttft_s"] / prefill,
+                   tpot_vs_bound=run["tpot_ms"] / decode if run["tpot_ms"] else None)
+
+
+def check_targets(runs: list[dict]) -> list[dict]:
+    """The runtime issue's targets, per batch size and DuoServe run, where the runs they compare exist."""
+    checks = []
+    for run in (r for r in runs if r["policy"] == "duoserve"):
+        same = {r["policy"]: r for r in runs if r["batch_size"] == run["batch_size"] and r["policy"] != "duoserve"}
+        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"]}
+        if "on-demand" in same and run["peak_gpu_bytes"] is not None:
+            extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
+            checks.append({**tag, "target": "peak GPU memory <= on-demand + 0.3 GB", "value": extra, "met": extra <= 0.3})
+        if "accelerate" in same:
+            ttft = same["accelerate"]["ttft_s"] / run["ttft_s"]
+            tpot = same["accelerate"]["tpot_ms"] / run["tpot_ms"]
+            checks.append({**tag, "target": "TTFT >= 1.8x better than accelerate", "value": ttft, "met": ttft >= 1.8})
+            checks.append({**tag, "target": "TPOT >= 1.4x better than accelerate", "value": tpot, "met": tpot >= 1.4})
+        for phase, key in (("prefill", "ttft_vs_bound"), ("decode", "tpot_vs_bound")):
+            checks.append({**tag, "target": f"{phase} within 1.15x of its bound", "value": run[key],
+                           "met": run[key] <= 1.15})
+    return checks
+
+
+def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dict:
+    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict."""
+    policies = [get_policy(p) for p in s.policies]
+    for spec in s.predictors:
+        if spec != "none" and not spec.startswith("oracle"):
+            load_predictor(spec)  # refuse a bad artifact before building a large model
+    device = resolve_device(s.device)
+    model = build_model(s, device)
+    layers = find_moe_layers(model)
+    geometry = moe_geometry(model, layers)
+    bandwidth = copy_bandwidth(device)
+    pin = device.type == "cuda"
+    want_packed = any(p.pinned for p in policies)
+    want_modules = any(not p.pinned for p in policies)
+    pairs = take_experts(layers, lambda p: (HostExperts.pack(p, pin) if want_packed else None,
+                                            HostExperts.as_modules(p) if want_modules else None))
+    packed = [a for a, _ in pairs] if want_packed else None
+    stores = {True: packed, False: [b for _, b in pairs] if want_modules else None}
+    layout = (packed or stores[False])[0].layout
+    model.to(device)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    vocab = model.get_input_embeddings().num_embeddings
+    generator = torch.Generator().manual_seed(s.seed)
+    runs = []
+    for batch in s.batch_sizes:
+        input_ids = torch.randint(vocab, (batch, s.prompt_len), generator=generator).to(device)
+        for policy in policies:
+            slow = policy.name not in ("duoserve", "all-resident") and s.baseline_new_tokens
+            for predictor in (s.predictors if policy.predict else ["none"]):
+                run = run_policy(model, stores, policy, predictor, s, input_ids,
+                                 s.baseline_new_tokens if slow else s.new_tokens)
+                runs.append(run)
+                if on_run:
+                    on_run(run)
+    add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
+    return {
+        "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
+        "model": s.model, "config_only": s.config_only, "dtype": str(layout.dtype),
+        "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
+                     "expert_mb": layout.nbytes / 1e6},
+        "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
+        "baseline_new_tokens": s.baseline_new_tokens, "gpu_expert_budget": s.gpu_expert_budget,
+        "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
+    }
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
