@@ -182,6 +182,8 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
     """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict."""
     policies = [get_policy(p) for p in s.policies]
     for spec in s.predictors:
+        if spec.startswith("oracle") and s.routing == "router":
+            raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
         if spec != "none" and not spec.startswith("oracle"):
             load_predictor(spec)  # refuse a bad artifact before building a large model
     device = resolve_device(s.device)

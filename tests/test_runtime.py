@@ -1,0 +1,259 @@
+"""The offload runtime: generations equal the all-resident model's, cache accounting, eviction, CLI, bench."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+from typer.testing import CliRunner
+
+from duoserve.cli import run_app
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from duoserve.runtime import POLICIES, OffloadEngine, offload, parse_bytes, timed_generate
+from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
+from duoserve.runtime.streams import Streams
+from duoserve.trace.collect import load_model
+from duoserve.trace.hooks import find_moe_layers
+
+OFFLOAD = [name for name, p in POLICIES.items() if not p.resident]
+PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
+runner = CliRunner()
+
+
+def _generate(model, tokenizer, device="cpu", new_tokens=12):
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(device)
+    return timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens)
+
+
+def _offloaded_generations(model, tokenizer, device, **engine_args):
+    """policy -> (sequences, engine stats) for every offload policy; the model is restored after each."""
+    results = {}
+    for name in OFFLOAD:
+        policy = POLICIES[name]
+        stores = offload(model, policy, device)
+        try:
+            with OffloadEngine(model, stores, policy, **(engine_args if policy.predict else {})) as engine:
+                results[name] = (_generate(model, tokenizer, device)[0], engine.stats())
+        finally:
+            put_experts(find_moe_layers(model), stores, device)
+    return results
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model("embedded", device="cpu")
+
+
+def test_every_policy_generates_what_the_all_resident_model_does(embedded):
+    model, tokenizer = embedded
+    reference = _generate(model, tokenizer)[0]
+    implementation = model.config._experts_implementation
+    results = _offloaded_generations(model, tokenizer, "cpu")
+    for name, (tokens, stats) in results.items():
+        assert torch.equal(tokens, reference), name
+        assert stats["copies"]["prefill"] > 0 and stats["bytes_h2d"]["decode"] > 0, name
+    # experts that are never kept between calls are copied once per (call, layer, routed expert)
+    assert results["accelerate"][1]["bytes_h2d"] == results["on-demand"][1]["bytes_h2d"]
+    assert results["full-layer"][1]["hit_rate"]["decode"] == 1.0  # the whole next layer is always there
+    # undone cleanly: implementation, registry and parameters restored
+    assert model.config._experts_implementation == implementation
+    assert not [k for k in ALL_EXPERTS_FUNCTIONS if k.startswith("duoserve")]
+    assert torch.equal(_generate(model, tokenizer)[0], reference)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
+def test_offload_matches_on_other_architectures(arch, arch_models):
+    model, tokenizer = load_model(str(arch_models[arch]), device="cpu")
+    reference = _generate(model, tokenizer)[0]
+    for name, (tokens, _) in _offloaded_generations(model, tokenizer, "cpu").items():
+        assert torch.equal(tokens, reference), f"{arch} {name}"
+
+
+def _random_predictor(model) -> ExpertPredictor:
+    layers = find_moe_layers(model)
+    experts = layers[0].experts.num_experts
+    spec = FeatureSpec(len(layers), experts, model.config.num_experts_per_tok, window=2)
+    return ExpertPredictor(spec, widths=(32, 16)).eval()
+
+
+def test_trained_predictor_prefetches_without_changing_outputs(embedded):
+    model, tokenizer = embedded
+    reference = _generate(model, tokenizer)[0]
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    try:
+        with OffloadEngine(model, stores, policy, predictor=_random_predictor(model)) as engine:
+            tokens = _generate(model, tokenizer)[0]
+            stats = engine.stats()
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+    assert torch.equal(tokens, reference)
+    assert stats["prefetched"] > 0 and stats["predictor_ms"] > 0
+
+
+@pytest.mark.parametrize("recall", [1.0, 0.0])
+def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
+    model, tokenizer = embedded
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    routing = RandomRouting(L, E, k, seed=3)
+    try:
+        with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall),
+                           routing=routing) as engine:
+            batch = tokenizer(PROMPTS[:1], return_tensors="pt")
+            timed_generate(model, batch.input_ids, batch.attention_mask, 8, fixed_length=True)
+            stats = engine.stats()
+    finally:
+        put_experts(layers, stores, "cpu")
+    # decode at batch 1: layers 1..L-1 are predicted (layer 0 has no history); 2k slots hold two layers,
+    # so nothing else survives from the previous token
+    assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L if recall == 1.0 else 0.0)
+    assert stats["prefetch_precision"] == recall
+    steps = 7  # decode forward passes: the first new token comes from prefill
+    hits = steps * (L - 1) * k if recall == 1.0 else 0
+    assert stats["prefetched"] == steps * (L - 1) * k
+    assert stats["copies"]["decode"] == (steps * L * k - hits) + stats["prefetched"]  # misses are fetched at once
+
+
+def _hand_engine(embedded, policy_name: str, budget_slots: int):
+    model, _ = embedded
+    policy = POLICIES[policy_name]
+    stores = offload(model, policy, "cpu")
+    engine = OffloadEngine(model, stores, policy, gpu_expert_budget=budget_slots * stores[0].layout.nbytes)
+    return model, stores, engine
+
+
+def test_hand_built_routing_hits_misses_and_lru_eviction(embedded):
+    model, stores, engine = _hand_engine(embedded, "lru", budget_slots=10)  # 2k = 8 by default; the budget gives 10
+    layers = find_moe_layers(model)
+    try:
+        assert engine.cache.slots == 10
+        torch.manual_seed(0)
+        hidden = torch.randn(3, model.config.hidden_size)
+        weights = torch.softmax(torch.randn(3, 4), dim=1)
+        experts = layers[2].experts
+        full = {n: p for n, p in stores[2].params().items()}
+        for name, value in full.items():
+            experts.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+        with engine:
+            def call(ids):
+                idx = torch.tensor(ids)
+                out = engine.run_layer(2, hidden, idx, weights)
+                expected = engine._kernels[2](experts, hidden, idx, weights)
+                torch.testing.assert_close(out, expected)
+
+            call([[0, 1, 2, 3], [0, 1, 2, 4], [5, 6, 7, 8]])  # 9 distinct experts: all misses
+            assert engine.cache.stats.copies["prefill"] == 9 and engine.cache.stats.hits["prefill"] == 0
+            call([[0, 1, 2, 3], [9, 10, 11, 12], [0, 1, 2, 3]])  # 0-3 cached; 9-12 miss: one empty slot, then LRU
+            s = engine.cache.stats
+            assert (s.hits["prefill"], s.copies["prefill"]) == (4, 13)
+            cached = {e for _, e in engine.cache.slot_of}
+            # the 10 slots hold the second call's 8 experts and two of the first call's rest: the least recently
+            # used went first, ties in recency by slot order
+            assert cached == {0, 1, 2, 3, 9, 10, 11, 12, 7, 8}
+    finally:
+        for name in list(experts._parameters):
+            del experts._parameters[name]
+        put_experts(layers, stores, "cpu")
+
+
+def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
+    layout = ExpertLayout.of({"w": torch.zeros(4, 2, 3)})
+    store = HostExperts.pack({"w": torch.arange(24.0).view(4, 2, 3)}, pin=False)
+    cache = ExpertCache(layout, slots=2, streams=Streams(torch.device("cpu")))
+    a = cache.fetch((0, 1), store, "decode", keep=set(), tick=1)
+    b = cache.fetch((0, 2), store, "decode", keep=set(), tick=2, wanted=0.9)  # predicted: kept over recency
+    assert torch.equal(cache.views["w"][a], torch.arange(6.0, 12.0).view(2, 3))  # expert 1, unpacked
+    c = cache.fetch((0, 3), store, "decode", keep=set(), tick=3)
+    assert c == a and cache.lookup((0, 1)) is None and cache.lookup((0, 2)) == b
+    with pytest.raises(RuntimeError, match="no slot to refill"):
+        cache.fetch((0, 0), store, "decode", keep={(0, 2), (0, 3)}, tick=4)
+
+
+def test_predictor_of_wrong_geometry_is_refused(embedded):
+    model, _ = embedded
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    try:
+        wrong = ExpertPredictor(FeatureSpec(4, 16, 4, window=2), widths=(8,))
+        with pytest.raises(ValueError, match="does not match"):
+            OffloadEngine(model, stores, policy, predictor=wrong)
+        with pytest.raises(ValueError, match="does not use a predictor"):
+            OffloadEngine(model, stores, POLICIES["lru"], predictor=_random_predictor(model))
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+
+
+def test_replay_routing_plays_the_trace_rows_in_order(embedded_trace):
+    t = embedded_trace
+    rows = torch.tensor(next(t.iter_experts("decode"))).long()
+    replay = ReplayRouting(t.path, t.meta.num_layers, t.meta.num_experts, t.meta.top_k, phase="decode")
+    replay.begin(3)
+    replay.begin(2)
+    assert torch.equal(replay.ids(5), rows[3:5, 5])
+    with pytest.raises(ValueError, match="L, E, k"):
+        ReplayRouting(t.path, 3, t.meta.num_experts, t.meta.top_k)
+
+
+def test_parse_bytes():
+    assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
+    with pytest.raises(ValueError, match="8GiB"):
+        parse_bytes("lots")
+
+
+def test_generate_cli(tmp_path):
+    out = tmp_path / "gen.json"
+    result = runner.invoke(run_app, ["generate", "--new-tokens", "6", "--policy", "lru", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["policy"] == "lru" and len(saved["texts"]) == 2 and saved["new_tokens"] >= 1
+    assert "time per output token" in result.output
+    bad = runner.invoke(run_app, ["generate", "--policy", "psychic"])
+    assert bad.exit_code == 2 and "unknown policy" in bad.output
+
+
+def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_models):
+    out = tmp_path / "bench.json"
+    args = ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--layers", "2", "--routing", "random",
+            "--predictor", "oracle:1", "--predictor", "none", "--prompt-len", "16", "--new-tokens", "4",
+            "--batch-size", "1", "--batch-size", "2", "--out", str(out)]
+    for name in POLICIES:
+        args += ["--policy", name]
+    result = runner.invoke(run_app, args)
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["geometry"]["moe_layers"] == 2 and saved["routing"] == "random"
+    runs = {(r["policy"], r["predictor"], r["batch_size"]): r for r in saved["runs"]}
+    assert len(runs) == 2 * (len(POLICIES) + 1)
+    for B in (1, 2):
+        # same prompts and routing for every policy: the no-reuse baselines move identical bytes
+        assert runs[("on-demand", None, B)]["bytes_h2d"] == runs[("accelerate", None, B)]["bytes_h2d"]
+        assert runs[("all-resident", None, B)]["ttft_vs_bound"] == 1.0
+    oracle, none = (runs[("duoserve", p, 1)]["hit_rate"]["decode"] for p in ("oracle:1", "none"))
+    assert oracle >= 0.5 and oracle > none  # layer 1 of 2 is predicted; 2k slots may also keep layer 0's
+    assert {t["target"] for t in saved["targets"]} >= {"TTFT >= 1.8x better than accelerate",
+                                                       "decode within 1.15x of its bound"}
+    refused = runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--predictor", "oracle"])
+    assert refused.exit_code == 2 and "routing" in refused.output
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy/compute/predict streams need a CUDA device")
+def test_offload_on_cuda_matches_all_resident(embedded):
+    model, tokenizer = embedded
+    model.to("cuda")
+    try:
+        reference = _generate(model, tokenizer, "cuda")[0]
+        model.cpu()
+        results = _offloaded_generations(model.cpu(), tokenizer, "cuda", predictor=_random_predictor(model))
+        for name, (tokens, stats) in results.items():
+            assert torch.equal(tokens, reference), name
+        assert results["duoserve"][1]["prefetched"] > 0
+    finally:
+        model.cpu()
