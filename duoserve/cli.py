@@ -188,6 +188,8 @@ run_app = typer.Typer(help="Serve an MoE model with its experts in host memory: 
                       no_args_is_help=True, pretty_exceptions_enable=False)
 
 POLICY_HELP = "duoserve, on-demand, accelerate, lru, full-layer, all-resident."
+BUDGET_HELP = ("Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
+               "experts. [default: 2 x top-k experts]")
 
 
 def _gb(nbytes) -> str:
@@ -214,8 +216,7 @@ def generate(
     predictor: Annotated[Optional[Path], typer.Option(help="Exported predictor folder (duoserve policy).")] = None,
     policy: Annotated[str, typer.Option(help=POLICY_HELP)] = "duoserve",
     new_tokens: Annotated[int, typer.Option(help="Most tokens to generate (greedy; stops at EOS).")] = 64,
-    gpu_expert_budget: Annotated[Optional[str], typer.Option(
-        help="Device memory for cached experts, e.g. 8GiB. [default: 2 x top-k experts]")] = None,
+    gpu_expert_budget: Annotated[Optional[str], typer.Option(help=BUDGET_HELP)] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
@@ -289,8 +290,7 @@ def bench_cmd(
     new_tokens: Annotated[int, typer.Option(help="Tokens generated per run.")] = 128,
     baseline_new_tokens: Annotated[Optional[int], typer.Option(
         help="Fewer tokens for the fetch-bound baselines (all but duoserve and all-resident).")] = None,
-    gpu_expert_budget: Annotated[Optional[str], typer.Option(help="Device memory for cached experts, e.g. 8GiB.")]
-    = None,
+    gpu_expert_budget: Annotated[Optional[str], typer.Option(help=BUDGET_HELP)] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU for config-only), float32, bfloat16.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of prompts and random routing.")] = 0,

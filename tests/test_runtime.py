@@ -176,7 +176,7 @@ def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
         cache.fetch((0, 0), store, "decode", keep={(0, 2), (0, 3)}, tick=4)
 
 
-def test_predictor_of_wrong_geometry_is_refused(embedded):
+def test_wrong_predictor_or_too_small_budget_is_refused(embedded):
     model, _ = embedded
     policy = POLICIES["duoserve"]
     stores = offload(model, policy, "cpu")
@@ -184,6 +184,8 @@ def test_predictor_of_wrong_geometry_is_refused(embedded):
         wrong = ExpertPredictor(FeatureSpec(4, 16, 4, window=2), widths=(8,))
         with pytest.raises(ValueError, match="does not match"):
             OffloadEngine(model, stores, policy, predictor=wrong)
+        with pytest.raises(ValueError, match="at least top-k"):
+            OffloadEngine(model, stores, policy, gpu_expert_budget=stores[0].layout.nbytes * 3)
         with pytest.raises(ValueError, match="does not use a predictor"):
             OffloadEngine(model, stores, POLICIES["lru"], predictor=_random_predictor(model))
     finally:

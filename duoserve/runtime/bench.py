@@ -129,7 +129,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
                                s.gpu_expert_budget, device)
     try:
         with plugin:
-            timed_generate(model, input_ids[:, :16], mask[:, :16], 2)  # warm-up: kernels, cuBLAS, allocator
+            timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator
             if isinstance(plugin, OffloadEngine):
                 plugin.reset_stats()
             _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True)

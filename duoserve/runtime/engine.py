@@ -76,7 +76,9 @@ class ExpertsPlugin:
         self.L, self.E, self.k = geometry.num_layers, geometry.num_experts, geometry.top_k
         self._layer_of = {id(layer.experts): i for i, layer in enumerate(self.layers)}
         self._name = f"duoserve-{type(self).__name__}-{id(self):x}"
+        self.device = next(model.parameters()).device
         self.phase, self.batch = "prefill", 0
+        self._routed: torch.Tensor | None = None  # L x T x k: the routing source's choice for this forward
 
     def __enter__(self):
         self._previous = self.model.config._experts_implementation
@@ -97,14 +99,15 @@ class ExpertsPlugin:
         x = (args[0] if args else kwargs.get("inputs_embeds")) if x is None else x
         self.batch, S = x.shape[:2]
         self.phase = "prefill" if S > 1 else "decode"
-        if self.routing is not None:
+        if self.routing is not None:  # one copy per forward pass, so no layer waits for one
             self.routing.begin(self.batch * S)
+            self._routed = torch.stack([self.routing.ids(l) for l in range(self.L)]).to(self.device)
 
     def _experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
         l = self._layer_of[id(module)]
         if self.routing is not None:
-            top_k_index = self.routing.ids(l).to(hidden.device)  # T x k
+            top_k_index = self._routed[l]  # T x k
         return self.run_layer(l, hidden, top_k_index, top_k_weights)
 
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -116,7 +119,7 @@ class OffloadEngine(ExpertsPlugin):
 
     ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
     ``routing``: a source that overrides the routers' choices (benchmarks on random weights).
-    ``gpu_expert_budget``: bytes for cached experts; more slots than the default when it allows.
+    ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of 2k slots.
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
@@ -141,7 +144,10 @@ class OffloadEngine(ExpertsPlugin):
             else predictor
         slots = default_capacity(policy, self.E, self.k)
         if gpu_expert_budget is not None and policy.reuse:
-            slots = max(slots, gpu_expert_budget // stores[0].layout.nbytes)
+            slots = gpu_expert_budget // stores[0].layout.nbytes
+            if slots < self.k:
+                raise ValueError(f"a GPU expert budget of {gpu_expert_budget / 1e9:.2f} GB holds {slots} experts of "
+                                 f"{stores[0].layout.nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
         self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
         self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
         self.tick = 0
@@ -192,13 +198,17 @@ class OffloadEngine(ExpertsPlugin):
         if predicting:
             scores = self._launch_predictor(l, idx, routed)
         copy_stream = self.streams.copy if self.policy.overlap else self.streams.compute
-        for e in needed:
-            if e in hits:
-                continue
+        missing = [e for e in needed if e not in hits]
+        chunk = max(1, cache.slots // 2)  # one group copies while the previous one computes
+        for i in range(0, len(missing), chunk):
+            group = {}
             with self.stall.span():
-                s = cache.fetch((l, e), self.stores[l], phase, keep=set(), tick=self.tick, stream=copy_stream)
-                self.streams.wait(self.streams.compute, cache.ready[s])
-            self._compute(l, hidden, pairs, {e: s}, out)
+                for e in missing[i:i + chunk]:
+                    group[e] = cache.fetch((l, e), self.stores[l], phase, keep={(l, g) for g in group},
+                                           tick=self.tick, stream=copy_stream)
+                for s in group.values():
+                    self.streams.wait(self.streams.compute, cache.ready[s])
+            self._compute(l, hidden, pairs, group, out)
         if predicting:
             self._prefetch(l + 1, self._rank(scores))
         elif self.policy.prefetch_layer:
@@ -214,7 +224,7 @@ class OffloadEngine(ExpertsPlugin):
         if idx is not None:  # every routed expert is resident: one call on the routing as it is, slots for ids
             table = torch.zeros(self.E, dtype=torch.long)
             table[list(slots)] = torch.tensor(list(slots.values()))
-            out += kernel(view, hidden, table.to(self.device)[idx], weights).float()  # T x H
+            out += kernel(view, hidden, self._upload(table)[idx], weights).float()  # T x H
         else:
             starts = pairs.starts
             if len(slots) == 1:
@@ -222,13 +232,19 @@ class OffloadEngine(ExpertsPlugin):
                 chosen = slice(starts[e], starts[e + 1])
                 slot_ids = torch.full((starts[e + 1] - starts[e], 1), s, dtype=torch.long, device=self.device)
             else:
-                chosen = torch.cat([torch.arange(starts[e], starts[e + 1]) for e in slots]).to(self.device)  # n
+                chosen = self._upload(torch.cat([torch.arange(starts[e], starts[e + 1]) for e in slots]))  # n
                 sizes = torch.tensor([starts[e + 1] - starts[e] for e in slots])
-                slot_ids = torch.tensor(list(slots.values())).repeat_interleave(sizes)[:, None].to(self.device)
+                slot_ids = self._upload(torch.tensor(list(slots.values())).repeat_interleave(sizes)[:, None])
             token = pairs.token[chosen]  # n
             res = kernel(view, hidden[token], slot_ids, pairs.weight[chosen][:, None])  # n x H
             out.index_add_(0, token, res.float())
         cache.release(list(slots.values()), self.tick)
+
+    def _upload(self, values: torch.Tensor) -> torch.Tensor:
+        """A small host tensor on the device without a CPU wait (a pageable copy would drain the stream)."""
+        if not self.streams.cuda:
+            return values
+        return values.pin_memory().to(self.device, non_blocking=True)
 
     # decode prediction --------------------------------------------------------------------------
     def _launch_predictor(self, l: int, idx: torch.Tensor, routed) -> tuple:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# The offload runtime on the H200, exactly as run for benchmarks/results/runtime_*_h200.json:
+# real model configs (Qwen3-30B-A3B, Mixtral-8x7B) with random bf16 weights, fewer layers than the
+# real models so that two host copies of the experts (pinned packed, pageable per module) fit in
+# the machine's 128 GiB, uniform random top-k routing (random weights make routers degenerate).
+# python3 there has torch and transformers; PYTHONPATH holds this repo.
+set -euo pipefail
+OUT=${OUT:-benchmarks/results}
+QWEN_LAYERS=${QWEN_LAYERS:-16}
+MIXTRAL_LAYERS=${MIXTRAL_LAYERS:-4}
+NEW_TOKENS=${NEW_TOKENS:-128}
+BASELINE_TOKENS=${BASELINE_TOKENS:-32}
+BATCHES=${BATCHES:-"1 8"}
+PREDICTORS=${PREDICTORS:-"oracle:1 oracle:0.8 oracle:0.5 none"}
+SHAPES=$(mktemp -d)
+python3 - "$SHAPES" <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from common import shape_config
+for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
+    shape_config(name).save_pretrained(f"{sys.argv[1]}/{name}")
+PY
+args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS"
+      --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy accelerate
+      --policy lru --policy full-layer --policy all-resident)
+for b in $BATCHES; do args+=(--batch-size "$b"); done
+for p in $PREDICTORS; do args+=(--predictor "$p"); done
+bench() { python3 -c 'from duoserve.cli import run_app; run_app()' bench "$@"; }
+bench --model "$SHAPES/qwen3-30b-a3b" --layers "$QWEN_LAYERS" "${args[@]}" --out "$OUT/runtime_qwen3-30b-a3b_h200.json"
+bench --model "$SHAPES/mixtral-8x7b" --layers "$MIXTRAL_LAYERS" "${args[@]}" --out "$OUT/runtime_mixtral-8x7b_h200.json"
