@@ -166,12 +166,13 @@ def test_hand_built_routing_hits_misses_and_lru_eviction(embedded):
 def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
     layout = ExpertLayout.of({"w": torch.zeros(4, 2, 3)})
     store = HostExperts.pack({"w": torch.arange(24.0).view(4, 2, 3)}, pin=False)
-    cache = ExpertCache(layout, slots=2, streams=Streams(torch.device("cpu")))
+    cache = ExpertCache(layout, slots=2, streams=Streams(torch.device("cpu")), num_layers=1, num_experts=4)
     a = cache.fetch((0, 1), store, "decode", keep=set(), tick=1)
     b = cache.fetch((0, 2), store, "decode", keep=set(), tick=2, wanted=0.9)  # predicted: kept over recency
     assert torch.equal(cache.views["w"][a], torch.arange(6.0, 12.0).view(2, 3))  # expert 1, unpacked
     c = cache.fetch((0, 3), store, "decode", keep=set(), tick=3)
     assert c == a and cache.lookup((0, 1)) is None and cache.lookup((0, 2)) == b
+    assert cache.table[0, 3] == c and cache.table[0, 2] == b  # the device-side expert -> slot map
     with pytest.raises(RuntimeError, match="no slot to refill"):
         cache.fetch((0, 0), store, "decode", keep={(0, 2), (0, 3)}, tick=4)
 

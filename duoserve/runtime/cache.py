@@ -34,12 +34,15 @@ class CacheStats:
 class ExpertCache:
     """``slots`` packed experts on ``streams.device``; see the module docstring for the rules."""
 
-    def __init__(self, layout: ExpertLayout, slots: int, streams: Streams):
+    def __init__(self, layout: ExpertLayout, slots: int, streams: Streams, num_layers: int, num_experts: int):
         if slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {slots}")
         self.layout, self.streams = layout, streams
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
+        # L x E slot of each cached expert, on the device, so kernels map expert ids to slots without an upload;
+        # entries of experts not cached are stale and never read
+        self.table = torch.zeros(num_layers, num_experts, dtype=torch.long, device=streams.device)
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
@@ -84,6 +87,7 @@ class ExpertCache:
         with self.streams.on(stream):
             nbytes = store.copy_into(key[1], self.buffer[s])
         self.ready[s] = self.streams.record(stream)
+        self.table[key] = s  # queued on the compute stream, before any kernel that reads it
         self.key[s], self.slot_of[key] = key, s
         self.used[s], self.wanted[s] = tick, wanted
         self.stats.copies[phase] += 1

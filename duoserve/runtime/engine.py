@@ -32,7 +32,7 @@ from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
 from duoserve.runtime.store import HostExperts
-from duoserve.runtime.streams import SpanTimer, Streams
+from duoserve.runtime.streams import CpuSections, SpanTimer, Streams
 from duoserve.trace.hooks import find_moe_layers, moe_geometry
 
 
@@ -52,7 +52,9 @@ class _Pairs:
     """A layer call's (token, expert) pairs sorted by expert: expert e owns pairs starts[e]:starts[e + 1]."""
 
     token: torch.Tensor  # T*k token index of each pair
+    expert: torch.Tensor  # T*k expert of each pair
     weight: torch.Tensor  # T*k routing weight of each pair
+    position: torch.Tensor  # T*k: 0, 1, ... (sliced per expert to select pairs without a host-to-device copy)
     starts: list[int]  # E + 1
 
 
@@ -148,8 +150,8 @@ class OffloadEngine(ExpertsPlugin):
             if slots < self.k:
                 raise ValueError(f"a GPU expert budget of {gpu_expert_budget / 1e9:.2f} GB holds {slots} experts of "
                                  f"{stores[0].layout.nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
-        self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
-        self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
+        self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams, self.L, self.E)
+        self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
         self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._prefetched: set[tuple[int, int]] = set()
@@ -171,10 +173,12 @@ class OffloadEngine(ExpertsPlugin):
         cache, phase, k = self.cache, self.phase, idx.shape[1]
         flat = idx.reshape(-1)  # T*k
         order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.E).cpu()  # E; the CPU waits for the router here
+        with self.cpu("wait for routing"):
+            counts = torch.bincount(flat, minlength=self.E).cpu()  # E; the CPU waits for the router here
         routed = self.streams.record()
         needed = counts.nonzero().flatten().tolist()
-        pairs = _Pairs(order // k, weights.reshape(-1)[order], [0] + counts.cumsum(0).tolist())
+        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order],
+                       torch.arange(len(flat), device=flat.device), [0] + counts.cumsum(0).tolist())
         if not self.policy.reuse:
             cache.forget()
         for s, key in enumerate(cache.key):
@@ -192,27 +196,34 @@ class OffloadEngine(ExpertsPlugin):
             with self.stall.span():
                 for s in hits.values():
                     self.streams.wait(self.streams.compute, cache.ready[s])
-            self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
+            with self.cpu("queue compute"):
+                self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
         predicting = (self.policy.predict and self.predictor is not None and phase == "decode" and l + 1 < self.L
                       and self._history is not None and len(self._history) == len(idx))
         if predicting:
-            scores = self._launch_predictor(l, idx, routed)
+            with self.cpu("queue predictor"):
+                scores = self._launch_predictor(l, idx, routed)
         copy_stream = self.streams.copy if self.policy.overlap else self.streams.compute
         missing = [e for e in needed if e not in hits]
         chunk = max(1, cache.slots // 2)  # one group copies while the previous one computes
         for i in range(0, len(missing), chunk):
             group = {}
-            with self.stall.span():
+            with self.stall.span(), self.cpu("queue fetches"):
                 for e in missing[i:i + chunk]:
                     group[e] = cache.fetch((l, e), self.stores[l], phase, keep={(l, g) for g in group},
                                            tick=self.tick, stream=copy_stream)
                 for s in group.values():
                     self.streams.wait(self.streams.compute, cache.ready[s])
-            self._compute(l, hidden, pairs, group, out)
+            with self.cpu("queue compute"):
+                self._compute(l, hidden, pairs, group, out)
         if predicting:
-            self._prefetch(l + 1, self._rank(scores))
+            with self.cpu("wait for predictor"):
+                ranked = self._rank(scores)
+            with self.cpu("queue prefetch"):
+                self._prefetch(l + 1, ranked)
         elif self.policy.prefetch_layer:
-            self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
+            with self.cpu("queue prefetch"):
+                self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
         return out.to(hidden.dtype)
 
     def _compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor,
@@ -222,29 +233,15 @@ class OffloadEngine(ExpertsPlugin):
         view = _SlotView(self.layers[l].experts, cache.views, cache.slots)
         kernel = self._kernels[l]
         if idx is not None:  # every routed expert is resident: one call on the routing as it is, slots for ids
-            table = torch.zeros(self.E, dtype=torch.long)
-            table[list(slots)] = torch.tensor(list(slots.values()))
-            out += kernel(view, hidden, self._upload(table)[idx], weights).float()  # T x H
+            out += kernel(view, hidden, cache.table[l][idx], weights).float()  # T x H
         else:
             starts = pairs.starts
-            if len(slots) == 1:
-                (e, s), = slots.items()
-                chosen = slice(starts[e], starts[e + 1])
-                slot_ids = torch.full((starts[e + 1] - starts[e], 1), s, dtype=torch.long, device=self.device)
-            else:
-                chosen = self._upload(torch.cat([torch.arange(starts[e], starts[e + 1]) for e in slots]))  # n
-                sizes = torch.tensor([starts[e + 1] - starts[e] for e in slots])
-                slot_ids = self._upload(torch.tensor(list(slots.values())).repeat_interleave(sizes)[:, None])
+            chosen = torch.cat([pairs.position[starts[e]:starts[e + 1]] for e in slots])  # n, device-side slices
             token = pairs.token[chosen]  # n
+            slot_ids = cache.table[l][pairs.expert[chosen]][:, None]  # n x 1
             res = kernel(view, hidden[token], slot_ids, pairs.weight[chosen][:, None])  # n x H
             out.index_add_(0, token, res.float())
         cache.release(list(slots.values()), self.tick)
-
-    def _upload(self, values: torch.Tensor) -> torch.Tensor:
-        """A small host tensor on the device without a CPU wait (a pageable copy would drain the stream)."""
-        if not self.streams.cuda:
-            return values
-        return values.pin_memory().to(self.device, non_blocking=True)
 
     # decode prediction --------------------------------------------------------------------------
     def _launch_predictor(self, l: int, idx: torch.Tensor, routed) -> tuple:
@@ -287,10 +284,11 @@ class OffloadEngine(ExpertsPlugin):
     def reset_stats(self) -> None:
         self.streams.synchronize()
         self.cache.stats = type(self.cache.stats)()
-        self.stall, self.predict_time = SpanTimer(self.streams), SpanTimer(self.streams)
+        self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
 
     def stats(self) -> dict:
-        """Counters since the last reset: bytes and copies per phase, hit rates, stall and predictor time."""
+        """Counters since the last reset: bytes and copies per phase, hit rates, stall and predictor time (device),
+        and host time per engine section (waiting for the routing or the predictor, queueing work)."""
         s = self.cache.stats
         return {
             "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
@@ -299,4 +297,5 @@ class OffloadEngine(ExpertsPlugin):
             "prefetched": s.prefetched,
             "prefetch_precision": s.prefetch_used / s.prefetched if s.prefetched else None,
             "stall_ms": self.stall.total_ms(), "predictor_ms": self.predict_time.total_ms(),
+            "host_ms": dict(self.cpu.ms),
         }

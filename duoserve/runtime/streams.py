@@ -79,3 +79,16 @@ class SpanTimer:
             self._cpu_ms += sum(b.elapsed_time(e) for b, e in self._pairs)
             self._pairs.clear()
         return self._cpu_ms
+
+
+class CpuSections:
+    """Host wall time per named section of the engine (where the CPU waits or works between launches)."""
+
+    def __init__(self):
+        self.ms: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
