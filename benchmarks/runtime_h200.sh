@@ -11,7 +11,11 @@ MIXTRAL_LAYERS=${MIXTRAL_LAYERS:-4}
 NEW_TOKENS=${NEW_TOKENS:-128}
 BASELINE_TOKENS=${BASELINE_TOKENS:-32}
 BATCHES=${BATCHES:-"1 8"}
-PREDICTORS=${PREDICTORS:-"oracle:1 oracle:0.8 oracle:0.5 none"}
+QWEN_PREDICTORS=${QWEN_PREDICTORS:-"oracle:1 oracle:0.8 oracle:0.5 none"}
+MIXTRAL_PREDICTORS=${MIXTRAL_PREDICTORS:-"oracle:1 none"}
+# Mixtral's cache: top-k = 2 experts (the paper's size; on-demand holds as many), not the default 2k
+MIXTRAL_BUDGET=${MIXTRAL_BUDGET:-705MB}
+MODELS=${MODELS:-"qwen3-30b-a3b mixtral-8x7b"}
 SHAPES=$(mktemp -d)
 python3 - "$SHAPES" <<'PY'
 import sys
@@ -24,7 +28,13 @@ args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS"
       --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy accelerate
       --policy lru --policy full-layer --policy all-resident)
 for b in $BATCHES; do args+=(--batch-size "$b"); done
-for p in $PREDICTORS; do args+=(--predictor "$p"); done
 bench() { python3 -c 'from duoserve.cli import run_app; run_app()' bench "$@"; }
-bench --model "$SHAPES/qwen3-30b-a3b" --layers "$QWEN_LAYERS" "${args[@]}" --out "$OUT/runtime_qwen3-30b-a3b_h200.json"
-bench --model "$SHAPES/mixtral-8x7b" --layers "$MIXTRAL_LAYERS" "${args[@]}" --out "$OUT/runtime_mixtral-8x7b_h200.json"
+for model in $MODELS; do
+    if [ "$model" = qwen3-30b-a3b ]; then
+        extra=(--layers "$QWEN_LAYERS"); for p in $QWEN_PREDICTORS; do extra+=(--predictor "$p"); done
+    else
+        extra=(--layers "$MIXTRAL_LAYERS" --gpu-expert-budget "$MIXTRAL_BUDGET")
+        for p in $MIXTRAL_PREDICTORS; do extra+=(--predictor "$p"); done
+    fi
+    bench --model "$SHAPES/$model" "${args[@]}" "${extra[@]}" --out "$OUT/runtime_${model}_h200.json"
+done
