@@ -73,7 +73,7 @@ class ReplayRouting:
 
 
 class LayerPredictor(Protocol):
-    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor: ...  # B x E, on history's device
+    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor: ...  # B x E (device or host)
 
 
 class TrainedPredictor:
@@ -108,4 +108,4 @@ class OraclePredictor:
         wrong = others.topk(k, dim=1).indices  # B x k experts the token does not route to
         keep = torch.rand(B, k, generator=self.generator) < self.recall
         guess = torch.where(keep, true, wrong)
-        return torch.zeros(B, self.E).scatter_(1, guess, 1.0).to(history.device)  # B x E
+        return torch.zeros(B, self.E).scatter_(1, guess, 1.0)  # B x E, on the host: no copy to wait for

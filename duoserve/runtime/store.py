@@ -64,6 +64,7 @@ class HostExperts:
     def __init__(self, layout: ExpertLayout, packed: torch.Tensor | None = None,
                  modules: dict[str, torch.Tensor] | None = None):
         self.layout, self.packed, self.modules = layout, packed, modules
+        self.pinned = packed is not None and packed.is_pinned()
 
     @classmethod
     def pack(cls, params: dict[str, torch.Tensor], pin: bool) -> HostExperts:
@@ -87,7 +88,7 @@ class HostExperts:
     def copy_into(self, expert: int, slot_row: torch.Tensor) -> int:
         """Queue the copy of ``expert`` into a device slot (a P row) on the current stream; bytes moved."""
         if self.packed is not None:
-            slot_row.copy_(self.packed[expert], non_blocking=self.packed.is_pinned())
+            slot_row.copy_(self.packed[expert], non_blocking=self.pinned)
         else:
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
