@@ -87,7 +87,7 @@ class ExpertCache:
         with self.streams.on(stream):
             nbytes = store.copy_into(key[1], self.buffer[s])
         self.ready[s] = self.streams.record(stream)
-        self.table[key] = s  # queued on the compute stream, before any kernel that reads it
+        self.table[key].fill_(s)  # a kernel on the compute stream (item assignment would copy the value and sync)
         self.key[s], self.slot_of[key] = key, s
         self.used[s], self.wanted[s] = tick, wanted
         self.stats.copies[phase] += 1

@@ -155,6 +155,7 @@ class OffloadEngine(ExpertsPlugin):
         self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._prefetched: set[tuple[int, int]] = set()
+        self._host_top: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned B x k ids and scores
 
     def __exit__(self, *exc) -> None:
         self.streams.synchronize()
@@ -252,7 +253,14 @@ class OffloadEngine(ExpertsPlugin):
         with self.streams.on(stream), self.predict_time.span(stream):
             self._history[:, l].copy_(idx)
             top = self.predictor.scores(self._history, l + 1).topk(self.k, dim=1)  # B x k
-            ids, vals = top.indices.to("cpu", non_blocking=True), top.values.float().to("cpu", non_blocking=True)
+            if top.indices.device.type == "cpu":
+                return top.indices, top.values, None
+            if self._host_top is None or self._host_top[0].shape != top.indices.shape:  # reused: no pinned allocs
+                self._host_top = (torch.empty(top.indices.shape, dtype=torch.long, pin_memory=True),
+                                  torch.empty(top.indices.shape, dtype=torch.float32, pin_memory=True))
+            ids, vals = self._host_top
+            ids.copy_(top.indices, non_blocking=True)
+            vals.copy_(top.values, non_blocking=True)
             done = self.streams.record(stream)
         return ids, vals, done
 
