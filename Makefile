@@ -24,6 +24,9 @@ demo: setup
 	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
 	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
 	$(VENV)/bin/duoserve-eval accuracy --traces $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report
+	$(VENV)/bin/duoserve-run generate --predictor $(OUT)/predictor --json $(OUT)/generate.json
+	$(VENV)/bin/duoserve-run bench --predictor $(OUT)/predictor --predictor none --policy duoserve \
+	    --policy on-demand --policy lru --policy all-resident --prompt-len 64 --new-tokens 16 --out $(OUT)/bench.json
 
 test: setup
 	$(PY) -m pytest -q

@@ -11,7 +11,13 @@ from typer.testing import CliRunner
 
 from duoserve.cli import run_app
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
-from duoserve.runtime import POLICIES, OffloadEngine, offload, parse_bytes, timed_generate
+from duoserve.runtime import (
+    POLICIES,
+    OffloadEngine,
+    offload,
+    parse_bytes,
+    timed_generate,
+)
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
@@ -187,6 +193,9 @@ def test_wrong_predictor_or_too_small_budget_is_refused(embedded):
             OffloadEngine(model, stores, policy, predictor=wrong)
         with pytest.raises(ValueError, match="at least top-k"):
             OffloadEngine(model, stores, policy, gpu_expert_budget=stores[0].layout.nbytes * 3)
+        budget = stores[0].layout.nbytes * 5  # a budget sizes the caching policies only
+        assert OffloadEngine(model, stores, policy, gpu_expert_budget=budget).cache.slots == 5
+        assert OffloadEngine(model, stores, POLICIES["full-layer"], gpu_expert_budget=budget).cache.slots == 32
         with pytest.raises(ValueError, match="does not use a predictor"):
             OffloadEngine(model, stores, POLICIES["lru"], predictor=_random_predictor(model))
     finally:

@@ -121,7 +121,8 @@ class OffloadEngine(ExpertsPlugin):
 
     ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
     ``routing``: a source that overrides the routers' choices (benchmarks on random weights).
-    ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of 2k slots.
+    ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of 2k slots of
+    the caching policies (duoserve, lru); the others hold what their schedule needs.
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
@@ -145,7 +146,7 @@ class OffloadEngine(ExpertsPlugin):
         self.predictor = TrainedPredictor(predictor, self.device) if isinstance(predictor, ExpertPredictor) \
             else predictor
         slots = default_capacity(policy, self.E, self.k)
-        if gpu_expert_budget is not None and policy.reuse:
+        if gpu_expert_budget is not None and policy.reuse and not policy.prefetch_layer:
             slots = gpu_expert_budget // stores[0].layout.nbytes
             if slots < self.k:
                 raise ValueError(f"a GPU expert budget of {gpu_expert_budget / 1e9:.2f} GB holds {slots} experts of "

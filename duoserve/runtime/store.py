@@ -12,8 +12,9 @@ Two forms, one per kind of fetch the policies compare:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn

@@ -9,10 +9,11 @@ CPU every operation runs in program order, so events are ``None`` and waits do n
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Iterator
 
 import torch
+
 
 class Streams:
     """The runtime's three streams on ``device`` (all the same, and synchronous, on the CPU)."""
