@@ -29,7 +29,7 @@ def _fail(err: Exception) -> None:
 def _table(title: str, *columns: str) -> Table:
     table = Table(title=title)
     for col in columns:
-        table.add_column(col)
+        table.add_column(col, overflow="fold")  # narrow terminals fold figures instead of cutting them
     return table
 
 
@@ -222,7 +222,6 @@ def generate(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
 ) -> None:
     """Generate with the experts offloaded to host memory; print the texts and the run's figures."""
-    import torch
 
     from duoserve.predictor.artifact import load_predictor
     from duoserve.runtime import ExpertsPlugin, OffloadEngine, get_policy, offload, parse_bytes, timed_generate
@@ -318,16 +317,19 @@ def bench_cmd(
     console.print(f"{result['device']}: copy bandwidth pinned {_num(bw['pinned_gbps'], '.1f')} GB/s, "
                   f"pageable {_num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
                   f"routing {result['routing']}")
-    table = _table("offload policies", "policy", "predictor", "B", "TTFT s", "bound", "TPOT ms", "bound",
-                   "peak GB", "H2D GB pre/dec", "decode hits", "stall ms", "pred ms")
+    latency = _table("latency and memory", "policy", "predictor", "B", "TTFT s", "bound", "TPOT ms", "bound",
+                     "peak GB")
+    traffic = _table("host-to-device copies", "policy", "predictor", "B", "prefill GB", "decode GB", "decode hits",
+                     "stall ms", "pred. ms")
     for r in result["runs"]:
-        moved = r.get("bytes_h2d")
-        table.add_row(r["policy"], r["predictor"] or "-", str(r["batch_size"]), _num(r["ttft_s"]),
-                      _num(r["prefill_bound_s"]), _num(r["tpot_ms"], ".2f"), _num(r["decode_bound_ms"], ".2f"),
-                      _gb(r["peak_gpu_bytes"]), f"{_gb(moved['prefill'])}/{_gb(moved['decode'])}" if moved else "-",
-                      _num(r.get("hit_rate", {}).get("decode")), _num(r.get("stall_ms"), ".0f"),
-                      _num(r.get("predictor_ms"), ".0f"))
-    console.print(table)
+        who = (r["policy"], r["predictor"] or "-", str(r["batch_size"]))
+        latency.add_row(*who, _num(r["ttft_s"]), _num(r["prefill_bound_s"]), _num(r["tpot_ms"], ".2f"),
+                        _num(r["decode_bound_ms"], ".2f"), _gb(r["peak_gpu_bytes"]))
+        if "bytes_h2d" in r:
+            traffic.add_row(*who, _gb(r["bytes_h2d"]["prefill"]), _gb(r["bytes_h2d"]["decode"]),
+                            _num(r["hit_rate"]["decode"]), _num(r["stall_ms"], ".0f"), _num(r["predictor_ms"], ".0f"))
+    console.print(latency)
+    console.print(traffic)
     if result["targets"]:
         targets = _table("targets", "B", "predictor", "target", "value", "met")
         for t in result["targets"]:
