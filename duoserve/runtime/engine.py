@@ -11,8 +11,9 @@ MoE layer's call then runs, for the experts its router chose:
   1. one CPU read of the routing (which experts, how many tokens each), grouped by expert;
   2. the experts already in the device cache, in one call of the model's own experts kernel
      (grouped_mm, batched_mm or eager) over the cache slots;
-  3. every other expert as soon as its copy lands: fetched on the copy stream and pipelined with
-     compute (policies with ``overlap``) or copied on the compute stream and waited for (on-demand);
+  3. every other expert as soon as its copy lands, in groups of half the cache: fetched on the copy
+     stream, one group copying while the previous one computes (policies with ``overlap``), or
+     copied on the compute stream and waited for (on-demand);
   4. decode with a predictor: the predictor scores layer l+1 on its own stream from the token's
      routing history while 2-3 run, and its top experts are copied into the cache right away, so
      layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
