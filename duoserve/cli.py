@@ -404,6 +404,8 @@ def fit_cmd(
     accelerator: Annotated[str, typer.Option(help="Lightning accelerator: auto, cpu, gpu.")] = "auto",
     devices: Annotated[str, typer.Option(help="Lightning devices: auto, 1, 2, ...")] = "auto",
     strategy: Annotated[str, typer.Option(help="Lightning strategy: auto, ddp, ...")] = "auto",
+    onnx: Annotated[bool, typer.Option(
+        help="Also write model.onnx into the artifact, checked against PyTorch (needs duoserve[onnx]).")] = False,
 ) -> None:
     """Train the next-layer expert predictor (Lightning) and export it as a self-contained artifact."""
     from duoserve.train.fit import FitSettings, fit
@@ -427,6 +429,15 @@ def fit_cmd(
                       f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(table)
     console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s")
+    if onnx:
+        from duoserve.predictor.artifact import load_predictor
+        from duoserve.predictor.onnx import export_onnx
+
+        try:
+            path, diff = export_onnx(load_predictor(result.out), result.out)
+        except _USER_ERRORS as err:
+            _fail(err)
+        console.print(f"ONNX: {path} (onnxruntime vs PyTorch: max |logit difference| {diff:.1e})")
 
 
 eval_app = typer.Typer(help="How well a predictor knows the next layer's experts, against the baselines (stage 4).",

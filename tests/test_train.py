@@ -55,6 +55,25 @@ def test_export_then_load_gives_identical_outputs(fitted, embedded_trace):
     assert loaded.predict(batch["history"][:2], batch["target"][:2]).shape == (2, 4)
 
 
+def test_onnx_export_computes_what_the_artifact_does(fitted, embedded_trace, tmp_path):
+    import onnxruntime
+
+    from duoserve.features.examples import make_examples
+    from duoserve.predictor.onnx import export_onnx
+
+    loaded = load_predictor(fitted.out)
+    path, diff = export_onnx(loaded, tmp_path)
+    assert path == tmp_path / "model.onnx" and diff <= 1e-4 and not list(tmp_path.glob(".model.*"))
+    table = load_routing([embedded_trace])
+    batch = ExampleSet(table, make_examples(np.arange(50), table.meta.num_layers)).__getitems__(list(range(300)))
+    session = onnxruntime.InferenceSession(str(path))
+    (logits,) = session.run(["logits"], {"history": batch["history"].long().numpy(),
+                                         "target": batch["target"].long().numpy()})
+    with torch.no_grad():
+        expected = loaded(batch["history"], batch["target"]).numpy()
+    np.testing.assert_allclose(logits, expected, atol=1e-4)  # real routing, a batch size not seen at export
+
+
 def test_loading_needs_torch_only(fitted):
     code = ("import sys; from duoserve import load_predictor; p = load_predictor(sys.argv[1]); "
             "assert 'lightning' not in sys.modules and 'pytorch_lightning' not in sys.modules, 'lightning imported'; "
@@ -84,7 +103,7 @@ def test_geometry_mismatch_and_bad_inputs_are_refused(fitted, tmp_path):
 
 
 def test_ddp_fit_on_two_cpu_processes(tmp_path):
-    """Lightning's DDP strategy through the CLI: two processes train, rank 0 exports."""
+    """Lightning's DDP strategy through the CLI: two processes train, rank 0 exports (and writes ONNX)."""
     from pathlib import Path
 
     ids = np.random.default_rng(0).integers(0, 6, (400, 3, 2))
@@ -92,8 +111,10 @@ def test_ddp_fit_on_two_cpu_processes(tmp_path):
     cli = Path(sys.executable).parent / "duoserve-train"
     out = subprocess.run([str(cli), "fit", str(trace.path), "--out", str(tmp_path / "p"), "--accelerator", "cpu",
                           "--devices", "2", "--strategy", "ddp", "--widths", "16", "--epochs", "1",
-                          "--val-fraction", "0.3"], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+                          "--val-fraction", "0.3", "--onnx"], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
     config = json.loads((tmp_path / "p" / "config.json").read_text())
     assert config["training"]["epochs_run"] == 1 and "predictor" in config["metrics"]["validation"]
     assert load_predictor(tmp_path / "p").spec.num_layers == 3
+    assert (tmp_path / "p" / "model.onnx").stat().st_size > 0 and "ONNX:" in out.stdout

@@ -5,6 +5,7 @@
                          split, metrics at export
       model.safetensors  MLP weights and the popularity / affinity statistics it uses
       split.json         the (dataset, request_id) pairs trained on, so evaluation can refuse overlap
+      model.onnx         optional (duoserve-train fit --onnx): the same predictor for ONNX runtimes
 """
 
 from __future__ import annotations
