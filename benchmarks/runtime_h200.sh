@@ -24,7 +24,7 @@ from common import shape_config
 for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
     shape_config(name).save_pretrained(f"{sys.argv[1]}/{name}")
 PY
-args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS"
+args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-1}"
       --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy accelerate
       --policy lru --policy full-layer --policy all-resident)
 for b in $BATCHES; do args+=(--batch-size "$b"); done

@@ -293,6 +293,8 @@ def bench_cmd(
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU for config-only), float32, bfloat16.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of prompts and random routing.")] = 0,
+    repeats: Annotated[int, typer.Option(
+        help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
     out: Annotated[Path, typer.Option(help="JSON result file.")] = Path("bench.json"),
 ) -> None:
     """Run offload policies side by side: TTFT, time per token, peak memory, bytes, hit rate, and their bounds."""
@@ -305,8 +307,11 @@ def bench_cmd(
                           policies=policy or BenchSettings.__dataclass_fields__["policies"].default_factory(),
                           batch_sizes=batch_size or [1], prompt_len=prompt_len, new_tokens=new_tokens,
                           baseline_new_tokens=baseline_new_tokens, routing=routing, predictors=predictor or ["none"],
-                          gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None, seed=seed)
-        runs_total = len(s.batch_sizes) * sum(len(s.predictors) if p == "duoserve" else 1 for p in s.policies)
+                          gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None, seed=seed,
+                          repeats=repeats)
+        if repeats < 1:
+            raise ValueError(f"--repeats must be at least 1, got {repeats}")
+        runs_total = repeats * len(s.batch_sizes) * sum(len(s.predictors) if p == "duoserve" else 1 for p in s.policies)
         with _progress() as bar:
             task = bar.add_task("policies", total=runs_total)
             result = bench(s, on_run=lambda run: bar.update(
@@ -317,12 +322,13 @@ def bench_cmd(
     console.print(f"{result['device']}: copy bandwidth pinned {_num(bw['pinned_gbps'], '.1f')} GB/s, "
                   f"pageable {_num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
                   f"routing {result['routing']}")
-    latency = _table("latency and memory", "policy", "predictor", "B", "TTFT s", "bound", "TPOT ms", "bound",
-                     "peak GB")
-    traffic = _table("host-to-device copies", "policy", "predictor", "B", "prefill GB", "decode GB", "decode hits",
-                     "stall ms", "pred. ms")
+    rounds = s.repeats > 1
+    latency = _table("latency and memory", "policy", "predictor", "B", *(["round"] if rounds else []), "TTFT s",
+                     "bound", "TPOT ms", "bound", "peak GB")
+    traffic = _table("host-to-device copies", "policy", "predictor", "B", *(["round"] if rounds else []),
+                     "prefill GB", "decode GB", "decode hits", "stall ms", "pred. ms")
     for r in result["runs"]:
-        who = (r["policy"], r["predictor"] or "-", str(r["batch_size"]))
+        who = (r["policy"], r["predictor"] or "-", str(r["batch_size"]), *([str(r["round"])] if rounds else []))
         latency.add_row(*who, _num(r["ttft_s"]), _num(r["prefill_bound_s"]), _num(r["tpot_ms"], ".2f"),
                         _num(r["decode_bound_ms"], ".2f"), _gb(r["peak_gpu_bytes"]))
         if "bytes_h2d" in r:
@@ -331,10 +337,10 @@ def bench_cmd(
     console.print(latency)
     console.print(traffic)
     if result["targets"]:
-        targets = _table("targets", "B", "predictor", "target", "value", "met")
+        targets = _table("targets", "B", "predictor", *(["round"] if rounds else []), "target", "value", "met")
         for t in result["targets"]:
-            targets.add_row(str(t["batch_size"]), t["predictor"], t["target"], _num(t["value"], ".2f"),
-                            "yes" if t["met"] else "[red]no[/]")
+            targets.add_row(str(t["batch_size"]), t["predictor"], *([str(t["round"])] if rounds else []),
+                            t["target"], _num(t["value"], ".2f"), "yes" if t["met"] else "[red]no[/]")
         console.print(targets)
     atomic_write_bytes(out, (json.dumps(result, indent=2) + "\n").encode())
     console.print(f"results: {out}")

@@ -255,6 +255,23 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     assert refused.exit_code == 2 and "routing" in refused.output
 
 
+def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, arch_models):
+    out = tmp_path / "bench.json"
+    result = runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--routing",
+                                     "random", "--policy", "duoserve", "--policy", "all-resident", "--prompt-len", "8",
+                                     "--new-tokens", "3", "--repeats", "2", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    runs, gbps = saved["runs"], saved["bandwidth"]["pageable_gbps"]  # the CPU's copy bandwidth
+    assert [(r["policy"], r["round"]) for r in runs] == [("all-resident", 0), ("duoserve", 0),
+                                                          ("all-resident", 1), ("duoserve", 1)]
+    for r in runs[1::2]:  # each run's bound comes from the all-resident run of its own round
+        resident = runs[2 * r["round"]]
+        moved = r["bytes_h2d"]["decode"] / (r["new_tokens"] - 1) / (gbps * 1e9) * 1e3
+        assert r["decode_bound_ms"] == pytest.approx(max(moved, resident["tpot_ms"]))
+        assert r["prefill_bound_s"] == pytest.approx(max(r["bytes_h2d"]["prefill"] / (gbps * 1e9), resident["ttft_s"]))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy/compute/predict streams need a CUDA device")
 def test_offload_on_cuda_matches_all_resident(embedded):

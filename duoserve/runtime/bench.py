@@ -46,6 +46,7 @@ class BenchSettings:
     predictors: list[str] = field(default_factory=lambda: ["none"])  # none, oracle[:recall], or an artifact
     gpu_expert_budget: int | None = None
     seed: int = 0
+    repeats: int = 1  # rounds over every configuration, interleaved, so drift and order show
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -146,11 +147,15 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
             "batch_size": len(input_ids), **timing, **counters}
 
 
+def _peers(a: dict, b: dict) -> bool:
+    """Runs that are compared: same batch size, same round."""
+    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"]
+
+
 def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
     """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
     for run in runs:
-        resident = next((r for r in runs if r["policy"] == "all-resident" and r["batch_size"] == run["batch_size"]),
-                        None)
+        resident = next((r for r in runs if r["policy"] == "all-resident" and _peers(r, run)), None)
         bandwidth = (pinned_gbps or pageable_gbps) * GB
         moved = run.get("bytes_h2d", {"prefill": 0, "decode": 0})
         steps = max(run["new_tokens"] - 1, 1)
@@ -164,8 +169,8 @@ def check_targets(runs: list[dict]) -> list[dict]:
     """The runtime issue's targets, per batch size and DuoServe run, where the runs they compare exist."""
     checks = []
     for run in (r for r in runs if r["policy"] == "duoserve"):
-        same = {r["policy"]: r for r in runs if r["batch_size"] == run["batch_size"] and r["policy"] != "duoserve"}
-        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"]}
+        same = {r["policy"]: r for r in runs if _peers(r, run) and r["policy"] != "duoserve"}
+        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"]}
         if "on-demand" in same and run["peak_gpu_bytes"] is not None:
             extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
             checks.append({**tag, "target": "peak GPU memory <= on-demand + 0.3 GB", "value": extra, "met": extra <= 0.3})
@@ -217,14 +222,16 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
             first = next((p for p in order if not p.resident), order[0])
             run_policy(model, stores, first, s.predictors[0] if first.predict else "none", s, input_ids,
                        s.new_tokens)
-        for policy in order:
-            slow = policy.name not in ("duoserve", "all-resident") and s.baseline_new_tokens
-            for predictor in (s.predictors if policy.predict else ["none"]):
-                run = run_policy(model, stores, policy, predictor, s, input_ids,
-                                 s.baseline_new_tokens if slow else s.new_tokens)
-                runs.append(run)
-                if on_run:
-                    on_run(run)
+        for round_ in range(s.repeats):
+            for policy in order:
+                slow = policy.name not in ("duoserve", "all-resident") and s.baseline_new_tokens
+                for predictor in (s.predictors if policy.predict else ["none"]):
+                    run = run_policy(model, stores, policy, predictor, s, input_ids,
+                                     s.baseline_new_tokens if slow else s.new_tokens)
+                    run["round"] = round_
+                    runs.append(run)
+                    if on_run:
+                        on_run(run)
     add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
     return {
         "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
