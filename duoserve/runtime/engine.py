@@ -173,52 +173,21 @@ class OffloadEngine(ExpertsPlugin):
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         self.tick += 1
-        cache, phase, k = self.cache, self.phase, idx.shape[1]
-        flat = idx.reshape(-1)  # T*k
-        order = flat.argsort(stable=True)
-        with self.cpu("wait for routing"):
-            counts = torch.bincount(flat, minlength=self.E).cpu()  # E; the CPU waits for the router here
-        routed = self.streams.record()
-        needed = counts.nonzero().flatten().tolist()
-        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order],
-                       torch.arange(len(flat), device=flat.device), [0] + counts.cumsum(0).tolist())
-        if not self.policy.reuse:
-            cache.forget()
-        for s, key in enumerate(cache.key):
-            if key is not None and key[0] == l:
-                cache.wanted[s] = 0.0  # this layer's router has spoken; predictions for it are moot
-
-        hits = {e: s for e in needed if (s := cache.lookup((l, e))) is not None}
-        cache.stats.lookups[phase] += len(needed)
-        cache.stats.hits[phase] += len(hits)
-        cache.stats.prefetch_used += sum((l, e) in self._prefetched for e in hits)
-        self._prefetched = {key for key in self._prefetched if key[0] != l}
-
+        pairs, needed, routed = self._group_by_expert(idx, weights)
+        hits = self._look_up(l, needed)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
         if hits:
             with self.stall.span():
                 for s in hits.values():
-                    self.streams.wait(self.streams.compute, cache.ready[s])
+                    self.streams.wait(self.streams.compute, self.cache.ready[s])
             with self.cpu("queue compute"):
                 self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
-        predicting = (self.policy.predict and self.predictor is not None and phase == "decode" and l + 1 < self.L
-                      and self._history is not None and len(self._history) == len(idx))
+        predicting = (self.policy.predict and self.predictor is not None and self.phase == "decode"
+                      and l + 1 < self.L and self._history is not None and len(self._history) == len(idx))
         if predicting:
             with self.cpu("queue predictor"):
                 scores = self._launch_predictor(l, idx, routed)
-        copy_stream = self.streams.copy if self.policy.overlap else self.streams.compute
-        missing = [e for e in needed if e not in hits]
-        chunk = max(1, cache.slots // 2)  # one group copies while the previous one computes
-        for i in range(0, len(missing), chunk):
-            group = {}
-            with self.stall.span(), self.cpu("queue fetches"):
-                for e in missing[i:i + chunk]:
-                    group[e] = cache.fetch((l, e), self.stores[l], phase, keep={(l, g) for g in group},
-                                           tick=self.tick, stream=copy_stream)
-                for s in group.values():
-                    self.streams.wait(self.streams.compute, cache.ready[s])
-            with self.cpu("queue compute"):
-                self._compute(l, hidden, pairs, group, out)
+        self._fetch_and_compute(l, hidden, pairs, [e for e in needed if e not in hits], out)
         if predicting:
             with self.cpu("wait for predictor"):
                 ranked = self._rank(scores)
@@ -228,6 +197,50 @@ class OffloadEngine(ExpertsPlugin):
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
         return out.to(hidden.dtype)
+
+    def _group_by_expert(self, idx: torch.Tensor, weights: torch.Tensor) -> tuple[_Pairs, list[int], object]:
+        """The layer's pairs sorted by expert, the experts routed to (read on the host: the one wait for the
+        router), and an event marking the routing on the compute stream."""
+        k = idx.shape[1]
+        flat = idx.reshape(-1)  # T*k
+        order = flat.argsort(stable=True)
+        with self.cpu("wait for routing"):
+            counts = torch.bincount(flat, minlength=self.E).cpu()  # E
+        routed = self.streams.record()
+        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order],
+                       torch.arange(len(flat), device=flat.device), [0] + counts.cumsum(0).tolist())
+        return pairs, counts.nonzero().flatten().tolist(), routed
+
+    def _look_up(self, l: int, needed: list[int]) -> dict[int, int]:
+        """Cached experts among ``needed`` (expert -> slot), counted per phase."""
+        cache = self.cache
+        if not self.policy.reuse:
+            cache.forget()
+        for s, key in enumerate(cache.key):
+            if key is not None and key[0] == l:
+                cache.wanted[s] = 0.0  # this layer's router has spoken; predictions for it are moot
+        hits = {e: s for e in needed if (s := cache.lookup((l, e))) is not None}
+        cache.stats.lookups[self.phase] += len(needed)
+        cache.stats.hits[self.phase] += len(hits)
+        cache.stats.prefetch_used += sum((l, e) in self._prefetched for e in hits)
+        self._prefetched = {key for key in self._prefetched if key[0] != l}
+        return hits
+
+    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, missing: list[int],
+                           out: torch.Tensor) -> None:
+        """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands."""
+        stream = self.streams.copy if self.policy.overlap else self.streams.compute
+        chunk = max(1, self.cache.slots // 2)  # one group copies while the previous one computes
+        for i in range(0, len(missing), chunk):
+            group = {}
+            with self.stall.span(), self.cpu("queue fetches"):
+                for e in missing[i:i + chunk]:
+                    group[e] = self.cache.fetch((l, e), self.stores[l], self.phase, keep={(l, g) for g in group},
+                                                tick=self.tick, stream=stream)
+                for s in group.values():
+                    self.streams.wait(self.streams.compute, self.cache.ready[s])
+            with self.cpu("queue compute"):
+                self._compute(l, hidden, pairs, group, out)
 
     def _compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor,
                  idx: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
