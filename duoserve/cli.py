@@ -222,7 +222,6 @@ def generate(
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
 ) -> None:
     """Generate with the experts offloaded to host memory; print the texts and the run's figures."""
-
     from duoserve.predictor.artifact import load_predictor
     from duoserve.runtime import ExpertsPlugin, OffloadEngine, get_policy, offload, parse_bytes, timed_generate
     from duoserve.runtime.store import put_experts
