@@ -127,6 +127,32 @@ def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
     assert stats["copies"]["decode"] == (steps * L * k - hits) + stats["prefetched"]  # misses are fetched at once
 
 
+def test_deeper_lookahead_predicts_further_ahead_with_the_same_hits(embedded):
+    model, tokenizer = embedded
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    routing = RandomRouting(L, E, k, seed=5)
+    try:
+        engine = OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E), routing=routing,
+                               lookahead=3)
+        assert engine.cache.slots == 4 * k  # the computing layer and three ahead
+        assert engine._targets(0) == [1, 2, 3] and engine._targets(2) == [5] and engine._targets(5) == []
+        with engine:
+            batch = tokenizer(PROMPTS[:1], return_tensors="pt")
+            _, timing = timed_generate(model, batch.input_ids, batch.attention_mask, 6, fixed_length=True)
+            stats = engine.stats()
+        assert timing["new_tokens"] == 6
+        assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
+        with pytest.raises(ValueError, match="needs look-ahead 1"):
+            OffloadEngine(model, stores, policy, predictor=_random_predictor(model), lookahead=2)
+        with pytest.raises(ValueError, match="look-ahead must be in 1"):
+            OffloadEngine(model, stores, policy, lookahead=L)
+    finally:
+        put_experts(layers, stores, "cpu")
+
+
 def _hand_engine(embedded, policy_name: str, budget_slots: int):
     model, _ = embedded
     policy = POLICIES[policy_name]

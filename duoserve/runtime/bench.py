@@ -47,6 +47,7 @@ class BenchSettings:
     gpu_expert_budget: int | None = None
     seed: int = 0
     repeats: int = 1  # rounds over every configuration, interleaved, so drift and order show
+    lookahead: int = 1  # decode prefetch depth (layers)
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -128,7 +129,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
     else:
         plugin = OffloadEngine(model, stores[policy.pinned], policy,
                                _predictor(predictor, routing, g.num_experts, device), routing,
-                               s.gpu_expert_budget, device)
+                               s.gpu_expert_budget, device, s.lookahead)
     try:
         with plugin:
             timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator

@@ -59,12 +59,12 @@ class _Pairs:
     starts: list[int]  # E + 1
 
 
-def default_capacity(policy: Policy, num_experts: int, top_k: int) -> int:
-    """Cache slots when no budget is given: k for the layer computing plus k for the one being prefetched;
+def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
+    """Cache slots when no budget is given: k for the layer computing plus k for each layer looked ahead;
     k for policies that keep nothing; two whole layers for full-layer prefetch."""
     if policy.prefetch_layer:
         return 2 * num_experts
-    return 2 * top_k if policy.reuse else top_k
+    return (1 + lookahead) * top_k if policy.reuse else top_k
 
 
 class ExpertsPlugin:
@@ -122,13 +122,17 @@ class OffloadEngine(ExpertsPlugin):
 
     ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
     ``routing``: a source that overrides the routers' choices (benchmarks on random weights).
-    ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of 2k slots of
-    the caching policies (duoserve, lru); the others hold what their schedule needs.
+    ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of
+    (1 + lookahead) x k slots of the caching policies (duoserve, lru); the others hold what their schedule needs.
+    ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a
+    step predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor scores the next
+    layer from the layers before it, so it needs d = 1; oracles take any d.
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
                  predictor: ExpertPredictor | LayerPredictor | None = None, routing: RoutingSource | None = None,
-                 gpu_expert_budget: int | None = None, device: torch.device | str | None = None):
+                 gpu_expert_budget: int | None = None, device: torch.device | str | None = None,
+                 lookahead: int = 1):
         if policy.resident:
             raise ValueError("the all-resident policy runs the model as it is, with no engine")
         super().__init__(model, routing)
@@ -142,11 +146,17 @@ class OffloadEngine(ExpertsPlugin):
             predictor.check_geometry(self.L, self.E, self.k)
         if predictor is not None and not policy.predict:
             raise ValueError(f"policy {policy.name} does not use a predictor")
+        if not 1 <= lookahead < self.L:
+            raise ValueError(f"look-ahead must be in 1..{self.L - 1} layers, got {lookahead}")
+        if lookahead > 1 and isinstance(predictor, ExpertPredictor):
+            raise ValueError("a trained predictor scores the next layer from the layers before it: it needs "
+                             f"look-ahead 1, got {lookahead}")
+        self.lookahead = lookahead
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.streams = Streams(self.device)
         self.predictor = TrainedPredictor(predictor, self.device) if isinstance(predictor, ExpertPredictor) \
             else predictor
-        slots = default_capacity(policy, self.E, self.k)
+        slots = default_capacity(policy, self.E, self.k, lookahead)
         if gpu_expert_budget is not None and policy.reuse and not policy.prefetch_layer:
             slots = gpu_expert_budget // stores[0].layout.nbytes
             if slots < self.k:
@@ -157,7 +167,7 @@ class OffloadEngine(ExpertsPlugin):
         self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._prefetched: set[tuple[int, int]] = set()
-        self._host_top: tuple[torch.Tensor, torch.Tensor] | None = None  # pinned B x k ids and scores
+        self._host_top: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned D x B x k ids, scores
 
     def __exit__(self, *exc) -> None:
         self.streams.synchronize()
@@ -182,17 +192,18 @@ class OffloadEngine(ExpertsPlugin):
                     self.streams.wait(self.streams.compute, self.cache.ready[s])
             with self.cpu("queue compute"):
                 self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
-        predicting = (self.policy.predict and self.predictor is not None and self.phase == "decode"
-                      and l + 1 < self.L and self._history is not None and len(self._history) == len(idx))
-        if predicting:
+        targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
+                                       and self._history is not None and len(self._history) == len(idx)) else []
+        if targets:
             with self.cpu("queue predictor"):
-                scores = self._launch_predictor(l, idx, routed)
+                scores = self._launch_predictor(l, idx, routed, targets)
         self._fetch_and_compute(l, hidden, pairs, [e for e in needed if e not in hits], out)
-        if predicting:
+        if targets:
             with self.cpu("wait for predictor"):
                 ranked = self._rank(scores)
             with self.cpu("queue prefetch"):
-                self._prefetch(l + 1, ranked)
+                for target, choice in zip(targets, ranked):  # nearest layer first
+                    self._prefetch(target, choice)
         elif self.policy.prefetch_layer:
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
@@ -260,34 +271,44 @@ class OffloadEngine(ExpertsPlugin):
         cache.release(list(slots.values()), self.tick)
 
     # decode prediction --------------------------------------------------------------------------
-    def _launch_predictor(self, l: int, idx: torch.Tensor, routed) -> tuple:
-        """Queue the predictor for layer l+1 on its stream: B x k top ids and scores on the host, and the
+    def _targets(self, l: int) -> list[int]:
+        """Layers to predict at layer ``l``: l + d, and at a step's first layer every layer up to d."""
+        first = 1 if l == 0 else l + self.lookahead
+        return list(range(first, min(l + self.lookahead, self.L - 1) + 1))
+
+    def _launch_predictor(self, l: int, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
+        """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
         event that says they have landed (the CPU reads them only after the misses are queued)."""
         stream = self.streams.predict
         self.streams.wait(stream, routed)
         with self.streams.on(stream), self.predict_time.span(stream):
             self._history[:, l].copy_(idx)
-            top = self.predictor.scores(self._history, l + 1).topk(self.k, dim=1)  # B x k
+            scores = torch.stack([self.predictor.scores(self._history, t) for t in targets])  # D x B x E
+            top = scores.topk(self.k, dim=2)  # D x B x k
             if top.indices.device.type == "cpu":
                 return top.indices, top.values, None
-            if self._host_top is None or self._host_top[0].shape != top.indices.shape:  # reused: no pinned allocs
-                self._host_top = (torch.empty(top.indices.shape, dtype=torch.long, pin_memory=True),
-                                  torch.empty(top.indices.shape, dtype=torch.float32, pin_memory=True))
-            ids, vals = self._host_top
+            shape = tuple(top.indices.shape)
+            if shape not in self._host_top:  # reused: no pinned allocation per call
+                self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=True),
+                                         torch.empty(shape, dtype=torch.float32, pin_memory=True))
+            ids, vals = self._host_top[shape]
             ids.copy_(top.indices, non_blocking=True)
             vals.copy_(top.values, non_blocking=True)
             done = self.streams.record(stream)
         return ids, vals, done
 
-    def _rank(self, scores) -> list[tuple[int, float]]:
-        """The predicted union of the batch's experts, best score first."""
+    def _rank(self, scores) -> list[list[tuple[int, float]]]:
+        """Per target: the predicted union of the batch's experts, best score first."""
         ids, vals, done = scores
         if done is not None:
             done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
-        best: dict[int, float] = {}
-        for e, v in zip(ids.flatten().tolist(), vals.flatten().tolist()):
-            best[e] = max(v, best.get(e, 0.0))
-        return sorted(best.items(), key=lambda item: -item[1])
+        ranked = []
+        for target_ids, target_vals in zip(ids.tolist(), vals.tolist()):
+            best: dict[int, float] = {}
+            for e, v in zip(sum(target_ids, []), sum(target_vals, [])):
+                best[e] = max(v, best.get(e, 0.0))
+            ranked.append(sorted(best.items(), key=lambda item: -item[1]))
+        return ranked
 
     def _prefetch(self, layer: int, ranked: list[tuple[int, float]]) -> None:
         """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream."""
