@@ -101,8 +101,8 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
     assert stats["prefetched"] > 0 and stats["predictor_ms"] > 0
 
 
-@pytest.mark.parametrize("recall", [1.0, 0.0])
-def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
+def _oracle_decode(embedded, recall: float, new_tokens: int, **engine_args) -> tuple[dict, OffloadEngine, tuple]:
+    """Generate one prompt under duoserve with an oracle on random routing; stats, engine and (L, E, k)."""
     model, tokenizer = embedded
     layers = find_moe_layers(model)
     L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
@@ -110,13 +110,19 @@ def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
     stores = offload(model, policy, "cpu")
     routing = RandomRouting(L, E, k, seed=3)
     try:
-        with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall),
-                           routing=routing) as engine:
+        with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall), routing=routing,
+                           **engine_args) as engine:
             batch = tokenizer(PROMPTS[:1], return_tensors="pt")
-            timed_generate(model, batch.input_ids, batch.attention_mask, 8, fixed_length=True)
+            timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)
             stats = engine.stats()
     finally:
         put_experts(layers, stores, "cpu")
+    return stats, engine, (L, E, k)
+
+
+@pytest.mark.parametrize("recall", [1.0, 0.0])
+def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
+    stats, _, (L, _, k) = _oracle_decode(embedded, recall, new_tokens=8)
     # decode at batch 1: layers 1..L-1 are predicted (layer 0 has no history); 2k slots hold two layers,
     # so nothing else survives from the previous token
     assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L if recall == 1.0 else 0.0)
@@ -128,29 +134,11 @@ def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
 
 
 def test_deeper_lookahead_predicts_further_ahead_with_the_same_hits(embedded):
-    model, tokenizer = embedded
-    layers = find_moe_layers(model)
-    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
-    policy = POLICIES["duoserve"]
-    stores = offload(model, policy, "cpu")
-    routing = RandomRouting(L, E, k, seed=5)
-    try:
-        engine = OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E), routing=routing,
-                               lookahead=3)
-        assert engine.cache.slots == 4 * k  # the computing layer and three ahead
-        assert engine._targets(0) == [1, 2, 3] and engine._targets(2) == [5] and engine._targets(5) == []
-        with engine:
-            batch = tokenizer(PROMPTS[:1], return_tensors="pt")
-            _, timing = timed_generate(model, batch.input_ids, batch.attention_mask, 6, fixed_length=True)
-            stats = engine.stats()
-        assert timing["new_tokens"] == 6
-        assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
-        with pytest.raises(ValueError, match="needs look-ahead 1"):
-            OffloadEngine(model, stores, policy, predictor=_random_predictor(model), lookahead=2)
-        with pytest.raises(ValueError, match="look-ahead must be in 1"):
-            OffloadEngine(model, stores, policy, lookahead=L)
-    finally:
-        put_experts(layers, stores, "cpu")
+    stats, engine, (L, _, k) = _oracle_decode(embedded, 1.0, new_tokens=6, lookahead=3)
+    assert engine.cache.slots == 4 * k  # the computing layer and three ahead
+    assert engine._targets(0) == [1, 2, 3] and engine._targets(2) == [5] and engine._targets(5) == []
+    assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
+    assert stats["prefetched"] == 5 * (L - 1) * k  # every layer but the first, once per decode step
 
 
 def _hand_engine(embedded, policy_name: str, budget_slots: int):
@@ -209,7 +197,7 @@ def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
         cache.fetch((0, 0), store, "decode", keep={(0, 2), (0, 3)}, tick=4)
 
 
-def test_wrong_predictor_or_too_small_budget_is_refused(embedded):
+def test_wrong_predictor_lookahead_or_budget_is_refused(embedded):
     model, _ = embedded
     policy = POLICIES["duoserve"]
     stores = offload(model, policy, "cpu")
@@ -217,6 +205,10 @@ def test_wrong_predictor_or_too_small_budget_is_refused(embedded):
         wrong = ExpertPredictor(FeatureSpec(4, 16, 4, window=2), widths=(8,))
         with pytest.raises(ValueError, match="does not match"):
             OffloadEngine(model, stores, policy, predictor=wrong)
+        with pytest.raises(ValueError, match="needs look-ahead 1"):
+            OffloadEngine(model, stores, policy, predictor=_random_predictor(model), lookahead=2)
+        with pytest.raises(ValueError, match="look-ahead must be in 1"):
+            OffloadEngine(model, stores, policy, lookahead=len(stores))
         with pytest.raises(ValueError, match="at least top-k"):
             OffloadEngine(model, stores, policy, gpu_expert_budget=stores[0].layout.nbytes * 3)
         budget = stores[0].layout.nbytes * 5  # a budget sizes the caching policies only
