@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -13,17 +15,24 @@ from rich.table import Table
 
 from duoserve.embedded import EMBEDDED_NAME
 from duoserve.predictor.model import PAPER_WIDTHS
+from duoserve.runtime.policies import DEFAULT_POLICIES, POLICIES
 
 console = Console()
 err_console = Console(stderr=True)
 
-# Errors a user can fix by changing the command line: printed plainly, exit code 2.
 _USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
 
 
-def _fail(err: Exception) -> None:
-    err_console.print(f"[bold red]error:[/] {err}")
-    raise typer.Exit(2)
+@contextmanager
+def _user_errors() -> Iterator[None]:
+    """Errors a user can fix by changing the command line: printed plainly, exit code 2."""
+    try:
+        yield
+    except typer.Exit:  # a RuntimeError too, but already the answer
+        raise
+    except _USER_ERRORS as err:
+        err_console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from err
 
 
 def _table(title: str, *columns: str) -> Table:
@@ -75,7 +84,7 @@ def collect(
     from duoserve.data.tasks import parse_datasets
     from duoserve.trace.collect import CollectSettings, collect as run_collect
 
-    try:
+    with _user_errors():
         specs = parse_datasets(dataset or DEFAULT_DATASETS, data_files or (), split)
         settings = CollectSettings(
             model=model, datasets=specs, out=out, fraction=None if count is not None else fraction, count=count,
@@ -84,8 +93,6 @@ def collect(
         with _progress() as progress:
             task = progress.add_task("tracing", total=None)
             result = run_collect(settings, lambda done, total: progress.update(task, completed=done, total=total))
-    except _USER_ERRORS as err:
-        _fail(err)
     g = result.geometry
     table = _table(f"trace -> {result.out}", "model", "L x E, k", "requests", "resumed", "prefill rows",
                    "decode rows", "seconds")
@@ -100,10 +107,8 @@ def info(path: Annotated[Path, typer.Argument(help="Trace folder or part file.")
     from duoserve.trace.format import open_trace
     from duoserve.trace.info import layer_stats, summarize
 
-    try:
+    with _user_errors():
         trace = open_trace(path)
-    except _USER_ERRORS as err:
-        _fail(err)
     meta, summary = trace.meta, summarize(trace)
     console.print(f"[bold]{path}[/]: model {meta.model}, {meta.num_layers} MoE layers "
                   f"(decoder {meta.decoder_indices[0]}..{meta.decoder_indices[-1]}), {meta.num_experts} experts, "
@@ -152,12 +157,10 @@ def import_cmd(
                               experts=experts, scores=scores, dataset_column=dataset_column, phase_column=phase_column,
                               token_id_column=token_id_column, dataset=dataset, phase=phase, layout=layout,
                               num_layers=num_layers, num_experts=num_experts, top_k=top_k, model=model)
-    try:
+    with _user_errors():
         with _progress() as progress:
             task = progress.add_task("importing (tokens)", total=None)
             result = import_trace(settings, lambda n: progress.update(task, completed=n))
-    except _USER_ERRORS as err:
-        _fail(err)
     L, E, k = result.geometry
     table = _table(f"import -> {result.out}", "format", "L x E, k", "tokens", "dropped (missing layers)",
                    "inferred", "seconds")
@@ -177,17 +180,15 @@ def export_cmd(
     from duoserve.trace.format import open_trace
     from duoserve.trace.importers import export_long
 
-    try:
+    with _user_errors():
         rows = export_long(open_trace(path), out)
-    except _USER_ERRORS as err:
-        _fail(err)
     console.print(f"{rows} rows -> {out}")
 
 
 run_app = typer.Typer(help="Serve an MoE model with its experts in host memory: dual-phase offload (stage 5).",
                       no_args_is_help=True, pretty_exceptions_enable=False)
 
-POLICY_HELP = "duoserve, on-demand, accelerate, lru, full-layer, all-resident."
+POLICY_HELP = f"{', '.join(POLICIES)} (duoserve-run policies says what each does)."
 LOOKAHEAD_HELP = ("Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. "
                   "Trained predictors need 1; oracles take any.")
 BUDGET_HELP = ("Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
@@ -207,6 +208,15 @@ def _default_prompts(count: int = 2) -> list[str]:
 
     return [load_requests(spec, None, 1, seed=0)[0].prompt
             for spec in parse_datasets(DEFAULT_DATASETS)][:count]
+
+
+@run_app.command()
+def policies() -> None:
+    """List the offload policies and what each does."""
+    table = _table("offload policies", "policy", "what it does")
+    for p in POLICIES.values():
+        table.add_row(p.name, p.about)
+    console.print(table)
 
 
 @run_app.command()
@@ -230,7 +240,7 @@ def generate(
     from duoserve.runtime.store import put_experts
     from duoserve.trace.collect import load_model, resolve_device
 
-    try:
+    with _user_errors():
         chosen = get_policy(policy)
         budget = parse_bytes(gpu_expert_budget) if gpu_expert_budget else None
         scorer = load_predictor(predictor) if predictor else None
@@ -244,8 +254,6 @@ def generate(
             stores = offload(net, chosen, target)
             plugin = OffloadEngine(net, stores, chosen, scorer, gpu_expert_budget=budget, device=target,
                                    lookahead=lookahead)
-    except _USER_ERRORS as err:
-        _fail(err)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(target)
     with plugin:
         out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
@@ -281,7 +289,7 @@ def bench_cmd(
         help="Build the model from its config with random weights, on the device (no checkpoint needed).")] = False,
     layers: Annotated[Optional[int], typer.Option(help="Config-only: keep this many decoder layers.")] = None,
     policy: Annotated[Optional[list[str]], typer.Option(
-        help=f"Repeatable: {POLICY_HELP} [default: duoserve, on-demand, accelerate, all-resident]")] = None,
+        help=f"Repeatable: {POLICY_HELP} [default: {', '.join(DEFAULT_POLICIES)}]")] = None,
     predictor: Annotated[Optional[list[str]], typer.Option(
         help="Repeatable, for the duoserve policy: none, oracle, oracle:RECALL (knows the routing, keeps each "
              "true expert with that probability) or a predictor folder. [default: none]")] = None,
@@ -306,9 +314,9 @@ def bench_cmd(
     from duoserve.runtime.generate import parse_bytes
     from duoserve.trace.writer import atomic_write_bytes
 
-    try:
+    with _user_errors():
         s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
-                          policies=policy or BenchSettings.__dataclass_fields__["policies"].default_factory(),
+                          policies=policy or list(DEFAULT_POLICIES),
                           batch_sizes=batch_size or [1], prompt_len=prompt_len, new_tokens=new_tokens,
                           baseline_new_tokens=baseline_new_tokens, routing=routing, predictors=predictor or ["none"],
                           gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None, seed=seed,
@@ -320,8 +328,6 @@ def bench_cmd(
             task = bar.add_task("policies", total=runs_total)
             result = bench(s, on_run=lambda run: bar.update(
                 task, advance=1, description=f"{run['policy']} B={run['batch_size']}"))
-    except _USER_ERRORS as err:
-        _fail(err)
     bw = result["bandwidth"]
     console.print(f"{result['device']}: copy bandwidth pinned {_num(bw['pinned_gbps'], '.1f')} GB/s, "
                   f"pageable {_num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
@@ -372,7 +378,7 @@ def stats(
     from duoserve.features.stats import compute_stats
     from duoserve.trace.format import open_trace
 
-    try:
+    with _user_errors():
         opened = [open_trace(t) for t in traces]
         with _progress() as progress:
             task = progress.add_task("counting", total=len(opened))
@@ -382,8 +388,6 @@ def stats(
                 merged = one if merged is None else merged.merge(one)
                 progress.advance(task)
         merged.save(out)
-    except _USER_ERRORS as err:
-        _fail(err)
     L, E = merged.geometry
     table = _table(f"statistics -> {out}", "tokens", "layers", "experts", "top expert per layer (share)")
     pop = merged.popularity
@@ -420,7 +424,7 @@ def fit_cmd(
     """Train the next-layer expert predictor (Lightning) and export it as a self-contained artifact."""
     from duoserve.train.fit import FitSettings, fit
 
-    try:
+    with _user_errors():
         settings = FitSettings(
             traces=traces, out=out, phase=_phase(phase), val_fraction=val_fraction, seed=seed, window=window,
             widths=tuple(int(w) for w in widths.split(",") if w.strip()),
@@ -428,8 +432,6 @@ def fit_cmd(
             batch_size=batch_size, lr=lr, accelerator=accelerator,
             devices=int(devices) if devices.isdigit() else devices, strategy=strategy)
         result = fit(settings)
-    except _USER_ERRORS as err:
-        _fail(err)
     if result.out is None:
         return
     table = _table(f"validation ({result.val_examples} token-layer examples) -> {result.out}", "predictor",
@@ -443,10 +445,8 @@ def fit_cmd(
         from duoserve.predictor.artifact import load_predictor
         from duoserve.predictor.onnx import export_onnx
 
-        try:
+        with _user_errors():
             path, diff = export_onnx(load_predictor(result.out), result.out)
-        except _USER_ERRORS as err:
-            _fail(err)
         console.print(f"ONNX: {path} (onnxruntime vs PyTorch: max |logit difference| {diff:.1e})")
 
 
@@ -492,7 +492,7 @@ def accuracy(
     from duoserve.predictor.artifact import load_predictor
     from duoserve.train.fit import FitSettings
 
-    try:
+    with _user_errors():
         with _progress() as progress:
             task = progress.add_task("evaluating", total=None)
             say = lambda text: progress.update(task, description=text)  # noqa: E731
@@ -520,8 +520,6 @@ def accuracy(
                               + markdown_table(pivot, "train fraction") + "\n\n")
             progress.update(task, description="writing the report")
             write_report(report, out, report.stats, extra)
-    except _USER_ERRORS as err:
-        _fail(err)
     _print_overall(report)
     console.print(f"report: {out / 'report.md'}, {out / 'report.json'}, plots {', '.join(report.info['plots'])}")
 
@@ -531,10 +529,8 @@ def report(folder: Annotated[Path, typer.Argument(help="Report folder written by
     """Print the summary tables of a saved report."""
     from duoserve.evaluate.accuracy import load_report
 
-    try:
+    with _user_errors():
         saved = load_report(folder)
-    except _USER_ERRORS as err:
-        _fail(err)
     info = saved.info
     console.print(f"[bold]{folder}[/]: predictor {info['predictor']}, {info['evaluated_requests']} unseen requests, "
                   f"{info['examples']} token-layer predictions")
@@ -547,10 +543,8 @@ def health(trace: Annotated[Path, typer.Argument(help="Trace folder.")]) -> None
     from duoserve.evaluate.health import routing_health
     from duoserve.trace.format import open_trace
 
-    try:
+    with _user_errors():
         h = routing_health(open_trace(trace))
-    except _USER_ERRORS as err:
-        _fail(err)
     table = _table(f"routing health of {trace}", "figure", "value")
     table.add_row("experts used (worst layer)", f"{h['min_experts_used']}/{h['num_experts']}")
     table.add_row("max load / uniform (worst layer)", f"{h['max_over_uniform']:.2f}")

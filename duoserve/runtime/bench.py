@@ -21,7 +21,7 @@ import duoserve
 from duoserve.predictor.artifact import load_predictor
 from duoserve.runtime.engine import ExpertsPlugin, OffloadEngine
 from duoserve.runtime.generate import timed_generate
-from duoserve.runtime.policies import Policy, get_policy
+from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
 from duoserve.trace.collect import DTYPES, load_model, resolve_device, resolve_model
@@ -37,7 +37,7 @@ class BenchSettings:
     layers: int | None = None  # config-only: keep this many decoder layers
     dtype: str = "auto"
     device: str = "auto"
-    policies: list[str] = field(default_factory=lambda: ["duoserve", "on-demand", "accelerate", "all-resident"])
+    policies: list[str] = field(default_factory=lambda: list(DEFAULT_POLICIES))
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     prompt_len: int = 512
     new_tokens: int = 128
@@ -105,12 +105,18 @@ def _routing(s: BenchSettings, L: int, E: int, k: int):
     return ReplayRouting(s.routing, L, E, k)
 
 
+def _check_predictor(spec: str, routing: str) -> None:
+    """Refuse a predictor spec that cannot run, before a large model is built."""
+    if spec.startswith("oracle") and routing == "router":
+        raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
+    if spec != "none" and not spec.startswith("oracle"):
+        load_predictor(spec)
+
+
 def _predictor(spec: str, routing, E: int, device: torch.device):
     if spec == "none":
         return None
     if spec.startswith("oracle"):
-        if routing is None:
-            raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
         return OraclePredictor(routing, E, float(spec.partition(":")[2] or 1.0))
     return load_predictor(spec, device)
 
@@ -190,10 +196,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
     """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict."""
     policies = [get_policy(p) for p in s.policies]
     for spec in s.predictors:
-        if spec.startswith("oracle") and s.routing == "router":
-            raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
-        if spec != "none" and not spec.startswith("oracle"):
-            load_predictor(spec)  # refuse a bad artifact before building a large model
+        _check_predictor(spec, s.routing)
     device = resolve_device(s.device)
     model = build_model(s, device)
     layers = find_moe_layers(model)
@@ -225,7 +228,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
                        s.new_tokens)
         for round_ in range(s.repeats):
             for policy in order:
-                slow = policy.name not in ("duoserve", "all-resident") and s.baseline_new_tokens
+                slow = not (policy.predict or policy.resident) and s.baseline_new_tokens
                 for predictor in (s.predictors if policy.predict else ["none"]):
                     run = run_policy(model, stores, policy, predictor, s, input_ids,
                                      s.baseline_new_tokens if slow else s.new_tokens)

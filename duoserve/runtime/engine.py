@@ -55,8 +55,11 @@ class _Pairs:
     token: torch.Tensor  # T*k token index of each pair
     expert: torch.Tensor  # T*k expert of each pair
     weight: torch.Tensor  # T*k routing weight of each pair
-    position: torch.Tensor  # T*k: 0, 1, ... (sliced per expert to select pairs without a host-to-device copy)
     starts: list[int]  # E + 1
+
+    def of(self, experts, values: torch.Tensor) -> torch.Tensor:
+        """``values``' entries of the pairs of ``experts``: device-side slices, no host-to-device copy."""
+        return torch.cat([values[self.starts[e]:self.starts[e + 1]] for e in experts])
 
 
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
@@ -103,8 +106,7 @@ class ExpertsPlugin:
         self.batch, S = x.shape[:2]
         self.phase = "prefill" if S > 1 else "decode"
         if self.routing is not None:  # one copy per forward pass, so no layer waits for one
-            self.routing.begin(self.batch * S)
-            self._routed = torch.stack([self.routing.ids(l) for l in range(self.L)]).to(self.device)
+            self._routed = self.routing.begin(self.batch * S).to(self.device)
 
     def _experts_forward(self, module: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -166,7 +168,8 @@ class OffloadEngine(ExpertsPlugin):
         self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
         self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
-        self._prefetched: set[tuple[int, int]] = set()
+        self._wanted: dict[int, set[int]] = {}  # layer -> experts given a prefetch score for it
+        self._prefetched: dict[int, set[int]] = {}  # layer -> experts copied ahead for it
         self._host_top: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned D x B x k ids, scores
 
     def __exit__(self, *exc) -> None:
@@ -218,8 +221,7 @@ class OffloadEngine(ExpertsPlugin):
         with self.cpu("wait for routing"):
             counts = torch.bincount(flat, minlength=self.E).cpu()  # E
         routed = self.streams.record()
-        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order],
-                       torch.arange(len(flat), device=flat.device), [0] + counts.cumsum(0).tolist())
+        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order], [0] + counts.cumsum(0).tolist())
         return pairs, counts.nonzero().flatten().tolist(), routed
 
     def _look_up(self, l: int, needed: list[int]) -> dict[int, int]:
@@ -227,14 +229,13 @@ class OffloadEngine(ExpertsPlugin):
         cache = self.cache
         if not self.policy.reuse:
             cache.forget()
-        for s, key in enumerate(cache.key):
-            if key is not None and key[0] == l:
-                cache.wanted[s] = 0.0  # this layer's router has spoken; predictions for it are moot
+        for e in self._wanted.pop(l, ()):  # this layer's router has spoken; predictions for it are moot
+            if (s := cache.lookup((l, e))) is not None:
+                cache.wanted[s] = 0.0
         hits = {e: s for e in needed if (s := cache.lookup((l, e))) is not None}
         cache.stats.lookups[self.phase] += len(needed)
         cache.stats.hits[self.phase] += len(hits)
-        cache.stats.prefetch_used += sum((l, e) in self._prefetched for e in hits)
-        self._prefetched = {key for key in self._prefetched if key[0] != l}
+        cache.stats.prefetch_used += len(self._prefetched.pop(l, set()).intersection(hits))
         return hits
 
     def _fetch_and_compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, missing: list[int],
@@ -243,11 +244,11 @@ class OffloadEngine(ExpertsPlugin):
         stream = self.streams.copy if self.policy.overlap else self.streams.compute
         chunk = max(1, self.cache.slots // 2)  # one group copies while the previous one computes
         for i in range(0, len(missing), chunk):
-            group = {}
+            group, keep = {}, set()
             with self.stall.span(), self.cpu("queue fetches"):
                 for e in missing[i:i + chunk]:
-                    group[e] = self.cache.fetch((l, e), self.stores[l], self.phase, keep={(l, g) for g in group},
-                                                tick=self.tick, stream=stream)
+                    group[e] = self.cache.fetch((l, e), self.stores[l], self.phase, keep, self.tick, stream)
+                    keep.add((l, e))
                 for s in group.values():
                     self.streams.wait(self.streams.compute, self.cache.ready[s])
             with self.cpu("queue compute"):
@@ -262,11 +263,9 @@ class OffloadEngine(ExpertsPlugin):
         if idx is not None:  # every routed expert is resident: one call on the routing as it is, slots for ids
             out += kernel(view, hidden, cache.table[l][idx], weights).float()  # T x H
         else:
-            starts = pairs.starts
-            chosen = torch.cat([pairs.position[starts[e]:starts[e + 1]] for e in slots])  # n, device-side slices
-            token = pairs.token[chosen]  # n
-            slot_ids = cache.table[l][pairs.expert[chosen]][:, None]  # n x 1
-            res = kernel(view, hidden[token], slot_ids, pairs.weight[chosen][:, None])  # n x H
+            token = pairs.of(slots, pairs.token)  # n
+            slot_ids = cache.table[l][pairs.of(slots, pairs.expert)][:, None]  # n x 1
+            res = kernel(view, hidden[token], slot_ids, pairs.of(slots, pairs.weight)[:, None])  # n x H
             out.index_add_(0, token, res.float())
         cache.release(list(slots.values()), self.tick)
 
@@ -313,14 +312,16 @@ class OffloadEngine(ExpertsPlugin):
     def _prefetch(self, layer: int, ranked: list[tuple[int, float]]) -> None:
         """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream."""
         cache, keep = self.cache, set()
+        wanted, prefetched = self._wanted.setdefault(layer, set()), self._prefetched.setdefault(layer, set())
         for e, score in ranked[:cache.slots]:
             key = (layer, e)
             keep.add(key)
+            wanted.add(e)
             s = cache.lookup(key)
             if s is None:
                 cache.fetch(key, self.stores[layer], self.phase, keep, self.tick, wanted=score)
                 cache.stats.prefetched += 1
-                self._prefetched.add(key)
+                prefetched.add(e)
             else:
                 cache.wanted[s] = max(cache.wanted[s], score)
 

@@ -32,6 +32,9 @@ POLICIES = {p.name: p for p in [
 ]}
 
 
+DEFAULT_POLICIES = ("duoserve", "on-demand", "accelerate", "all-resident")  # what a bench compares unless told
+
+
 def get_policy(name: str) -> Policy:
     if name not in POLICIES:
         raise ValueError(f"unknown policy {name!r}; choose from {', '.join(POLICIES)}")

@@ -25,8 +25,8 @@ from duoserve.predictor.model import ExpertPredictor
 
 
 class RoutingSource(Protocol):
-    def begin(self, tokens: int) -> None: ...
-    def ids(self, layer: int) -> torch.Tensor: ...  # T x k, CPU
+    def begin(self, tokens: int) -> torch.Tensor: ...  # L x T x k for the forward pass starting, CPU
+    def ids(self, layer: int) -> torch.Tensor: ...  # T x k of that pass, CPU
 
 
 class RandomRouting:
@@ -36,9 +36,10 @@ class RandomRouting:
         self.shape, self.generator = (num_layers, num_experts, top_k), torch.Generator().manual_seed(seed)
         self._ids: torch.Tensor | None = None
 
-    def begin(self, tokens: int) -> None:
+    def begin(self, tokens: int) -> torch.Tensor:
         L, E, k = self.shape
         self._ids = torch.rand(L, tokens, E, generator=self.generator).argsort(-1)[..., :k]  # L x T x k
+        return self._ids
 
     def ids(self, layer: int) -> torch.Tensor:
         return self._ids[layer]
@@ -63,10 +64,11 @@ class ReplayRouting:
             raise ValueError(f"trace {trace} has missing expert ids (-1); it cannot drive routing")
         self.cursor, self._ids = 0, None
 
-    def begin(self, tokens: int) -> None:
+    def begin(self, tokens: int) -> torch.Tensor:
         take = (self.cursor + torch.arange(tokens)) % len(self.rows)
         self.cursor = (self.cursor + tokens) % len(self.rows)
         self._ids = self.rows[take].transpose(0, 1)  # L x T x k
+        return self._ids
 
     def ids(self, layer: int) -> torch.Tensor:
         return self._ids[layer]

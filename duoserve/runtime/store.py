@@ -82,10 +82,6 @@ class HostExperts:
         """The parameters as they are (moved to pageable host memory if elsewhere)."""
         return cls(ExpertLayout.of(params), modules={n: p.cpu().contiguous() for n, p in params.items()})
 
-    @property
-    def num_experts(self) -> int:
-        return len(self.packed if self.packed is not None else next(iter(self.modules.values())))
-
     def copy_into(self, expert: int, slot_row: torch.Tensor) -> int:
         """Queue the copy of ``expert`` into a device slot (a P row) on the current stream; bytes moved."""
         if self.packed is not None:
