@@ -49,8 +49,12 @@ def random_routing(rng: np.random.Generator, n: int, L: int, E: int, k: int) -> 
     return np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k]
 
 
-def add_geometry_args(ap: argparse.ArgumentParser, layers: int = 48, experts: int = 128, top_k: int = 8) -> None:
-    """--layers/--experts/--top-k (default: Qwen3-30B-A3B's MoE geometry)."""
-    ap.add_argument("--layers", type=int, default=layers)
-    ap.add_argument("--experts", type=int, default=experts)
-    ap.add_argument("--top-k", type=int, default=top_k)
+def parser(doc: str, geometry: tuple[int, int, int] | None = (48, 128, 8)) -> argparse.ArgumentParser:
+    """A benchmark's parser with --out (its JSON result) and, unless ``geometry`` is None,
+    --layers/--experts/--top-k (default: Qwen3-30B-A3B's MoE geometry)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    if geometry is not None:
+        for flag, default in zip(("--layers", "--experts", "--top-k"), geometry):
+            ap.add_argument(flag, type=int, default=default)
+    return ap

@@ -10,7 +10,6 @@ trained-MLP row uses the paper's widths; the issue's target is "1M predictions i
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 from pathlib import Path
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_geometry_args, random_routing, write_result  # noqa: E402
+from common import parser, random_routing, write_result  # noqa: E402
 
 from duoserve.evaluate import scorers as S
 from duoserve.evaluate.accuracy import hits_at_budgets, summarize
@@ -40,10 +39,8 @@ def synthetic_table(tokens: int, L: int, E: int, k: int) -> RoutingTable:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, (8, 16, 4))
     ap.add_argument("--predictions", type=int, default=1_000_000)
-    add_geometry_args(ap, 8, 16, 4)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     L, E, k = args.layers, args.experts, args.top_k

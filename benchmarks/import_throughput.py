@@ -9,7 +9,6 @@ scan first). Target (issue): 10M rows in under 2 minutes.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 import tempfile
@@ -20,7 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_geometry_args, random_routing, write_result  # noqa: E402
+from common import parser, random_routing, write_result  # noqa: E402
 
 from duoserve.trace.importers import ImportSettings, import_trace
 
@@ -38,10 +37,8 @@ def write_log(path: Path, rows: int, L: int, E: int, k: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=10_000_000)
-    add_geometry_args(ap)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     pa.set_cpu_count(1)
     pa.set_io_thread_count(1)

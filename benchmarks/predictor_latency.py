@@ -13,7 +13,6 @@ Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -23,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_geometry_args, write_result  # noqa: E402
+from common import parser, write_result  # noqa: E402
 
 from duoserve.predictor.fast import GraphedPredictor, SparseHistoryPredictor, fold_batchnorm
 from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
@@ -84,11 +83,9 @@ def replay_gpu_ms(graphed, device, iters: int = 1000) -> float:
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--device", default="cpu")
-    add_geometry_args(ap)
     ap.add_argument("--iters", type=int, default=2000)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     device = torch.device(args.device)
     L, E, k = args.layers, args.experts, args.top_k

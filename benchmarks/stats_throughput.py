@@ -9,7 +9,6 @@ read of the `experts` column. Target (issue): at least 1M token rows per second 
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_geometry_args, random_routing, write_result  # noqa: E402
+from common import parser, random_routing, write_result  # noqa: E402
 
 from duoserve.features.stats import compute_stats
 from duoserve.trace.format import TraceMeta, open_trace
@@ -42,10 +41,8 @@ def synthetic_trace(out: Path, rows: int, L: int, E: int, k: int) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__)
     ap.add_argument("--rows", type=int, default=200_000)
-    add_geometry_args(ap)
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,7 +10,6 @@ are fine for timing. Prints a table and writes JSON (--out). Targets: <= 1.05x o
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import shape_config, write_result  # noqa: E402
+from common import parser, shape_config, write_result  # noqa: E402
 
 from duoserve.trace.collect import load_model, rows_from_records  # noqa: E402
 from duoserve.trace.hooks import RoutingRecorder, find_moe_layers, moe_geometry  # noqa: E402
@@ -47,9 +46,9 @@ def sync(device: torch.device) -> None:
 
 @torch.no_grad()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = parser(__doc__, None)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--shape", default=None, help="random-weight model of a real shape (see shapes.py)")
+    ap.add_argument("--shape", default=None, help="random-weight model of a real shape (see common.py)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
@@ -57,7 +56,6 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--batch-size", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--reps", type=int, default=5, help="timed rounds, alternating untraced and traced")
-    ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
     model = build(args)
