@@ -57,6 +57,13 @@ class _Pairs:
     weight: torch.Tensor  # T*k routing weight of each pair
     starts: list[int]  # E + 1
 
+    @classmethod
+    def sort(cls, idx: torch.Tensor, weights: torch.Tensor, starts: list[int]) -> _Pairs:
+        """The pairs of routing ``idx`` (T x k) with ``weights``, in expert order."""
+        flat = idx.reshape(-1)  # T*k
+        order = flat.argsort(stable=True)
+        return cls(order // idx.shape[1], flat[order], weights.reshape(-1)[order], starts)
+
     def of(self, experts, values: torch.Tensor) -> torch.Tensor:
         """``values``' entries of the pairs of ``experts``: device-side slices, no host-to-device copy."""
         return torch.cat([values[self.starts[e]:self.starts[e + 1]] for e in experts])
@@ -186,15 +193,22 @@ class OffloadEngine(ExpertsPlugin):
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         self.tick += 1
-        pairs, needed, routed = self._group_by_expert(idx, weights)
+        starts, needed, routed = self._read_routing(idx)
         hits = self._look_up(l, needed)
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
         if hits:
             with self.stall.span():
                 for s in hits.values():
                     self.streams.wait(self.streams.compute, self.cache.ready[s])
-            with self.cpu("queue compute"):
-                self._compute(l, hidden, pairs, hits, out, idx if len(hits) == len(needed) else None, weights)
+        with self.cpu("queue compute"):
+            if len(hits) == len(needed):  # all resident (decode's aim): the model's kernel on the routing as is
+                out = self._kernels[l](self._slot_view(l), hidden, self.cache.table[l][idx], weights)  # T x H
+                self.cache.release(list(hits.values()), self.tick)
+                pairs = None
+            else:
+                pairs = _Pairs.sort(idx, weights, starts)
+                out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
+                if hits:
+                    self._add_group(l, hidden, pairs, hits, out)
         targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
                                        and self._history is not None and len(self._history) == len(idx)) else []
         if targets:
@@ -212,17 +226,12 @@ class OffloadEngine(ExpertsPlugin):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
         return out.to(hidden.dtype)
 
-    def _group_by_expert(self, idx: torch.Tensor, weights: torch.Tensor) -> tuple[_Pairs, list[int], object]:
-        """The layer's pairs sorted by expert, the experts routed to (read on the host: the one wait for the
-        router), and an event marking the routing on the compute stream."""
-        k = idx.shape[1]
-        flat = idx.reshape(-1)  # T*k
-        order = flat.argsort(stable=True)
+    def _read_routing(self, idx: torch.Tensor) -> tuple[list[int], list[int], object]:
+        """Where each expert's pairs start in expert order (E + 1), the experts routed to, both read on the host
+        (the one wait for the router), and an event marking the routing on the compute stream."""
         with self.cpu("wait for routing"):
-            counts = torch.bincount(flat, minlength=self.E).cpu()  # E
-        routed = self.streams.record()
-        pairs = _Pairs(order // k, flat[order], weights.reshape(-1)[order], [0] + counts.cumsum(0).tolist())
-        return pairs, counts.nonzero().flatten().tolist(), routed
+            counts = torch.bincount(idx.reshape(-1), minlength=self.E).cpu()  # E
+        return [0] + counts.cumsum(0).tolist(), counts.nonzero().flatten().tolist(), self.streams.record()
 
     def _look_up(self, l: int, needed: list[int]) -> dict[int, int]:
         """Cached experts among ``needed`` (expert -> slot), counted per phase."""
@@ -238,7 +247,7 @@ class OffloadEngine(ExpertsPlugin):
         cache.stats.prefetch_used += len(self._prefetched.pop(l, set()).intersection(hits))
         return hits
 
-    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, missing: list[int],
+    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs | None, missing: list[int],
                            out: torch.Tensor) -> None:
         """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands."""
         stream = self.streams.copy if self.policy.overlap else self.streams.compute
@@ -252,22 +261,18 @@ class OffloadEngine(ExpertsPlugin):
                 for s in group.values():
                     self.streams.wait(self.streams.compute, self.cache.ready[s])
             with self.cpu("queue compute"):
-                self._compute(l, hidden, pairs, group, out)
+                self._add_group(l, hidden, pairs, group, out)
 
-    def _compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor,
-                 idx: torch.Tensor | None = None, weights: torch.Tensor | None = None) -> None:
-        """Add the output of experts ``slots`` (expert -> slot) to ``out``; ``idx``: they are all the layer routed to."""
-        cache = self.cache
-        view = _SlotView(self.layers[l].experts, cache.views, cache.slots)
-        kernel = self._kernels[l]
-        if idx is not None:  # every routed expert is resident: one call on the routing as it is, slots for ids
-            out += kernel(view, hidden, cache.table[l][idx], weights).float()  # T x H
-        else:
-            token = pairs.of(slots, pairs.token)  # n
-            slot_ids = cache.table[l][pairs.of(slots, pairs.expert)][:, None]  # n x 1
-            res = kernel(view, hidden[token], slot_ids, pairs.of(slots, pairs.weight)[:, None])  # n x H
-            out.index_add_(0, token, res.float())
-        cache.release(list(slots.values()), self.tick)
+    def _slot_view(self, l: int) -> _SlotView:
+        return _SlotView(self.layers[l].experts, self.cache.views, self.cache.slots)
+
+    def _add_group(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor) -> None:
+        """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs to ``out``."""
+        token = pairs.of(slots, pairs.token)  # n
+        slot_ids = self.cache.table[l][pairs.of(slots, pairs.expert)][:, None]  # n x 1
+        res = self._kernels[l](self._slot_view(l), hidden[token], slot_ids, pairs.of(slots, pairs.weight)[:, None])
+        out.index_add_(0, token, res.float())  # n x H into T x H
+        self.cache.release(list(slots.values()), self.tick)
 
     # decode prediction --------------------------------------------------------------------------
     def _targets(self, l: int) -> list[int]:
