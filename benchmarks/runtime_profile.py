@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", help="also write a Chrome trace (CPU and CUDA activity) to this file")
+    ap.add_argument("--stack", action="store_true", help="record Python frames too (the trace shows engine functions)")
     a = ap.parse_args()
     s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens)
     device = resolve_device("auto")
@@ -38,9 +39,9 @@ def main() -> None:
     ids = torch.randint(model.get_input_embeddings().num_embeddings, (a.batch_size, s.prompt_len)).to(device)
     run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.trace and device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities, with_stack=a.stack) as prof:
         run = run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)
-    print({k: run[k] for k in ("ttft_s", "tpot_ms", "stall_ms", "predictor_ms")})
+    print({k: run.get(k) for k in ("ttft_s", "tpot_ms", "stall_ms", "predictor_ms")})
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     if a.trace:
         prof.export_chrome_trace(a.trace)

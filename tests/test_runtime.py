@@ -186,15 +186,30 @@ def test_hand_built_routing_hits_misses_and_lru_eviction(embedded):
 def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
     layout = ExpertLayout.of({"w": torch.zeros(4, 2, 3)})
     store = HostExperts.pack({"w": torch.arange(24.0).view(4, 2, 3)}, pin=False)
-    cache = ExpertCache(layout, slots=2, streams=Streams(torch.device("cpu")), num_layers=1, num_experts=4)
-    a = cache.fetch((0, 1), store, "decode", keep=set(), tick=1)
-    b = cache.fetch((0, 2), store, "decode", keep=set(), tick=2, wanted=0.9)  # predicted: kept over recency
-    assert torch.equal(cache.views["w"][a], torch.arange(6.0, 12.0).view(2, 3))  # expert 1, unpacked
-    c = cache.fetch((0, 3), store, "decode", keep=set(), tick=3)
-    assert c == a and cache.lookup((0, 1)) is None and cache.lookup((0, 2)) == b
-    assert cache.table[0, 3] == c and cache.table[0, 2] == b  # the device-side expert -> slot map
+    cache = ExpertCache(layout, slots=3, streams=Streams(torch.device("cpu")))
+    a, b = cache.fetch(0, [1, 2], store, "decode", keep=set(), wanted=[0.0, 0.9])  # 2 is predicted
+    assert a != b and torch.equal(cache.views["w"][a], torch.arange(6.0, 12.0).view(2, 3))  # expert 1, unpacked
+    (c,) = cache.fetch(1, [0], store, "decode", keep=set())  # an empty slot first
+    (d,) = cache.fetch(1, [3], store, "decode", keep=set())  # then lowest wanted: expert 1, not 2
+    assert c not in (a, b) and d == a and cache.lookup((0, 1)) is None and cache.lookup((0, 2)) == b
+    (e,) = cache.fetch(0, [0], store, "decode", keep={(0, 2)})  # kept 2 stays; of c and d, c is older
+    assert e == c and cache.lookup((1, 3)) == d
+    assert cache.stats.copies["decode"] == 5 and cache.stats.bytes["decode"] == 5 * layout.nbytes
     with pytest.raises(RuntimeError, match="no slot to refill"):
-        cache.fetch((0, 0), store, "decode", keep={(0, 2), (0, 3)}, tick=4)
+        cache.fetch(0, [1, 3], store, "decode", keep={(0, 2), (0, 0)})  # two new experts, one slot to take
+
+
+def test_cache_groups_refill_the_least_recent_slots_so_copies_overlap_compute():
+    # one layer call fetching in groups of half the cache: a group must refill the slots of the group before
+    # the previous one (whose compute is long queued), never the previous group's, or copies serialise
+    layout = ExpertLayout.of({"w": torch.zeros(8, 1)})
+    store = HostExperts.pack({"w": torch.arange(8.0).view(8, 1)}, pin=False)
+    cache = ExpertCache(layout, slots=4, streams=Streams(torch.device("cpu")))
+    groups = []
+    for experts in ([0, 1], [2, 3], [4, 5], [6, 7]):
+        groups.append(set(cache.fetch(0, experts, store, "prefill", keep=set())))
+        cache.release(sorted(groups[-1]))
+    assert groups[2] == groups[0] and groups[3] == groups[1] and groups[0].isdisjoint(groups[1])
 
 
 def test_wrong_predictor_lookahead_or_budget_is_refused(embedded):

@@ -4,9 +4,12 @@ Shape legend: S slots, P elements of one packed expert.
 
 Each slot carries two events: ``ready`` (its copy has landed; compute waits on it) and ``free``
 (the last compute that read it has run; a copy into it waits on it), so a slot can be refilled
-while other slots compute, with no CPU synchronisation. Eviction picks, among the slots a call may
-take, the lowest (wanted, last used): ``wanted`` is the predictor's score for an expert fetched for
-a layer still to run, and recency breaks ties, so with no predictor it is plain LRU.
+while other slots compute, with no CPU synchronisation. Experts are fetched in groups: one switch to
+the copy stream and one ``ready`` event per group, as the host's time per launch is what a decode
+step is short of. Eviction picks, among the slots a call may take, the lowest (wanted, last used):
+``wanted`` is the predictor's score for an expert fetched for a layer still to run, and recency
+breaks ties, so with no predictor it is plain LRU. Which slot holds which expert is known on the
+host only; kernels get slot ids from the engine.
 """
 
 from __future__ import annotations
@@ -34,20 +37,18 @@ class CacheStats:
 class ExpertCache:
     """``slots`` packed experts on ``streams.device``; see the module docstring for the rules."""
 
-    def __init__(self, layout: ExpertLayout, slots: int, streams: Streams, num_layers: int, num_experts: int):
+    def __init__(self, layout: ExpertLayout, slots: int, streams: Streams):
         if slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {slots}")
         self.layout, self.streams = layout, streams
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
-        # L x E slot of each cached expert, on the device, so kernels map expert ids to slots without an upload;
-        # entries of experts not cached are stale and never read
-        self.table = torch.zeros(num_layers, num_experts, dtype=torch.long, device=streams.device)
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
         self.free: list = [None] * slots
-        self.used = [0] * slots
+        self.used = [0] * slots  # clock of each slot's last fetch or release
+        self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
         self.wanted = [0.0] * slots
         self.stats = CacheStats()
 
@@ -76,29 +77,38 @@ class ExpertCache:
                                f"({len(keep)} experts must stay); raise the GPU expert budget")
         return best
 
-    def fetch(self, key: Key, store: HostExperts, phase: str, keep: set[Key], tick: int, stream=None,
-              wanted: float = 0.0) -> int:
-        """Copy expert ``key`` from ``store`` into a victim slot on ``stream`` (default: copy stream); its slot."""
-        s = self.victim(keep)
-        if self.key[s] is not None:
-            del self.slot_of[self.key[s]]
+    def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str, keep: set[Key], stream=None,
+              wanted: list[float] | None = None) -> list[int]:
+        """Copy ``experts`` of ``layer`` from ``store`` into victim slots (never one holding a key in ``keep``) on
+        ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's predicted score."""
         stream = stream or self.streams.copy
-        self.streams.wait(stream, self.free[s])  # the slot's last reader has run
+        keep = keep | {(layer, e) for e in experts}
+        slots, waited = [], set()
+        self.clock += 1
         with self.streams.on(stream):
-            nbytes = store.copy_into(key[1], self.buffer[s])
-        self.ready[s] = self.streams.record(stream)
-        self.table[key].fill_(s)  # a kernel on the compute stream (item assignment would copy the value and sync)
-        self.key[s], self.slot_of[key] = key, s
-        self.used[s], self.wanted[s] = tick, wanted
-        self.stats.copies[phase] += 1
-        self.stats.bytes[phase] += nbytes
-        return s
+            for i, e in enumerate(experts):
+                s = self.victim(keep)
+                if self.key[s] is not None:
+                    del self.slot_of[self.key[s]]
+                if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
+                    waited.add(id(self.free[s]))
+                    self.streams.wait(stream, self.free[s])  # the slot's last reader has run
+                self.stats.bytes[phase] += store.copy_into(e, self.buffer[s])
+                self.key[s], self.slot_of[(layer, e)] = (layer, e), s
+                self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
+                slots.append(s)
+        ready = self.streams.record(stream)
+        for s in slots:
+            self.ready[s] = ready
+        self.stats.copies[phase] += len(slots)
+        return slots
 
-    def release(self, slots: list[int], tick: int) -> None:
+    def release(self, slots: list[int]) -> None:
         """Mark ``slots`` as read by the compute queued so far (their next copy waits for it)."""
         event = self.streams.record()
+        self.clock += 1
         for s in slots:
-            self.free[s], self.used[s], self.wanted[s] = event, tick, 0.0
+            self.free[s], self.used[s], self.wanted[s] = event, self.clock, 0.0
 
     def forget(self) -> None:
         """Drop every key (the slots' contents stay until refilled)."""

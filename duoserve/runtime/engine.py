@@ -22,8 +22,7 @@ MoE layer's call then runs, for the experts its router chose:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -48,25 +47,29 @@ class _SlotView:
         return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
 
 
-@dataclass
-class _Pairs:
-    """A layer call's (token, expert) pairs sorted by expert: expert e owns pairs starts[e]:starts[e + 1]."""
+class _Routing:
+    """A layer call's routing, read to the host once: which experts, and its (token, expert) pairs by expert."""
 
-    token: torch.Tensor  # T*k token index of each pair
-    expert: torch.Tensor  # T*k expert of each pair
-    weight: torch.Tensor  # T*k routing weight of each pair
-    starts: list[int]  # E + 1
+    def __init__(self, idx: torch.Tensor, num_experts: int):
+        self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
+        self.counts = np.bincount(self.ids.reshape(-1), minlength=num_experts)  # E: pairs of each expert
+        self.needed: list[int] = np.flatnonzero(self.counts).tolist()
+        self._order: np.ndarray | None = None
 
-    @classmethod
-    def sort(cls, idx: torch.Tensor, weights: torch.Tensor, starts: list[int]) -> _Pairs:
-        """The pairs of routing ``idx`` (T x k) with ``weights``, in expert order."""
-        flat = idx.reshape(-1)  # T*k
-        order = flat.argsort(stable=True)
-        return cls(order // idx.shape[1], flat[order], weights.reshape(-1)[order], starts)
+    def slot_ids(self, slots: dict[int, int]) -> np.ndarray:
+        """T x k: the routing with each expert replaced by its cache slot (every routed expert is in ``slots``)."""
+        table = np.zeros(len(self.counts), dtype=np.int64)  # E
+        table[list(slots)] = list(slots.values())
+        return table[self.ids]
 
-    def of(self, experts, values: torch.Tensor) -> torch.Tensor:
-        """``values``' entries of the pairs of ``experts``: device-side slices, no host-to-device copy."""
-        return torch.cat([values[self.starts[e]:self.starts[e + 1]] for e in experts])
+    def pairs(self, slots: dict[int, int]) -> np.ndarray:
+        """3 x n: token, cache slot and flat routing position (token * k + j) of the pairs of ``slots``' experts."""
+        if self._order is None:  # only when some expert is not resident: flat positions in expert order
+            self._order = np.argsort(self.ids.reshape(-1), kind="stable")  # T*k
+            self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1: e owns _order[starts[e]:starts[e+1]]
+        flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in slots])  # n
+        slot = np.repeat(np.fromiter(slots.values(), dtype=np.int64, count=len(slots)), self.counts[list(slots)])  # n
+        return np.stack([flat // self.ids.shape[1], slot, flat])
 
 
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
@@ -171,9 +174,8 @@ class OffloadEngine(ExpertsPlugin):
             if slots < self.k:
                 raise ValueError(f"a GPU expert budget of {gpu_expert_budget / 1e9:.2f} GB holds {slots} experts of "
                                  f"{stores[0].layout.nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
-        self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams, self.L, self.E)
+        self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
         self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
-        self.tick = 0
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._wanted: dict[int, set[int]] = {}  # layer -> experts given a prefetch score for it
         self._prefetched: dict[int, set[int]] = {}  # layer -> experts copied ahead for it
@@ -192,29 +194,27 @@ class OffloadEngine(ExpertsPlugin):
     # one MoE layer ------------------------------------------------------------------------------
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
-        self.tick += 1
-        starts, needed, routed = self._read_routing(idx)
-        hits = self._look_up(l, needed)
+        with self.cpu("wait for routing"):
+            routing = _Routing(idx, self.E)
+        routed = self.streams.record()  # the predictor stream starts from the routing
+        hits = self._look_up(l, routing.needed)
         if hits:
             with self.stall.span():
-                for s in hits.values():
-                    self.streams.wait(self.streams.compute, self.cache.ready[s])
+                self._wait_ready(hits.values())
         with self.cpu("queue compute"):
-            if len(hits) == len(needed):  # all resident (decode's aim): the model's kernel on the routing as is
-                out = self._kernels[l](self._slot_view(l), hidden, self.cache.table[l][idx], weights)  # T x H
-                self.cache.release(list(hits.values()), self.tick)
-                pairs = None
+            if len(hits) == len(routing.needed):  # all resident (decode's aim): the model's kernel on the routing as is
+                out = self._kernels[l](self._slot_view(l), hidden, self._upload(routing.slot_ids(hits)), weights)  # T x H
+                self.cache.release(list(hits.values()))
             else:
-                pairs = _Pairs.sort(idx, weights, starts)
                 out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
                 if hits:
-                    self._add_group(l, hidden, pairs, hits, out)
+                    self._add_group(l, hidden, weights, routing, hits, out)
         targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
                                        and self._history is not None and len(self._history) == len(idx)) else []
         if targets:
             with self.cpu("queue predictor"):
                 scores = self._launch_predictor(l, idx, routed, targets)
-        self._fetch_and_compute(l, hidden, pairs, [e for e in needed if e not in hits], out)
+        self._fetch_and_compute(l, hidden, weights, routing, [e for e in routing.needed if e not in hits], out)
         if targets:
             with self.cpu("wait for predictor"):
                 ranked = self._rank(scores)
@@ -226,12 +226,15 @@ class OffloadEngine(ExpertsPlugin):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
         return out.to(hidden.dtype)
 
-    def _read_routing(self, idx: torch.Tensor) -> tuple[list[int], list[int], object]:
-        """Where each expert's pairs start in expert order (E + 1), the experts routed to, both read on the host
-        (the one wait for the router), and an event marking the routing on the compute stream."""
-        with self.cpu("wait for routing"):
-            counts = torch.bincount(idx.reshape(-1), minlength=self.E).cpu()  # E
-        return [0] + counts.cumsum(0).tolist(), counts.nonzero().flatten().tolist(), self.streams.record()
+    def _upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host index array on the device, queued on the current stream without blocking the host."""
+        t = torch.from_numpy(array)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.streams.cuda else t
+
+    def _wait_ready(self, slots) -> None:
+        """Make the compute stream wait until ``slots``' copies have landed (a group's slots share one event)."""
+        for event in {id(e): e for e in (self.cache.ready[s] for s in slots)}.values():
+            self.streams.wait(self.streams.compute, event)
 
     def _look_up(self, l: int, needed: list[int]) -> dict[int, int]:
         """Cached experts among ``needed`` (expert -> slot), counted per phase."""
@@ -247,32 +250,29 @@ class OffloadEngine(ExpertsPlugin):
         cache.stats.prefetch_used += len(self._prefetched.pop(l, set()).intersection(hits))
         return hits
 
-    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, pairs: _Pairs | None, missing: list[int],
-                           out: torch.Tensor) -> None:
+    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
+                           missing: list[int], out: torch.Tensor) -> None:
         """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands."""
         stream = self.streams.copy if self.policy.overlap else self.streams.compute
         chunk = max(1, self.cache.slots // 2)  # one group copies while the previous one computes
         for i in range(0, len(missing), chunk):
-            group, keep = {}, set()
+            experts = missing[i:i + chunk]
             with self.stall.span(), self.cpu("queue fetches"):
-                for e in missing[i:i + chunk]:
-                    group[e] = self.cache.fetch((l, e), self.stores[l], self.phase, keep, self.tick, stream)
-                    keep.add((l, e))
-                for s in group.values():
-                    self.streams.wait(self.streams.compute, self.cache.ready[s])
+                group = dict(zip(experts, self.cache.fetch(l, experts, self.stores[l], self.phase, set(), stream)))
+                self._wait_ready(group.values())
             with self.cpu("queue compute"):
-                self._add_group(l, hidden, pairs, group, out)
+                self._add_group(l, hidden, weights, routing, group, out)
 
     def _slot_view(self, l: int) -> _SlotView:
         return _SlotView(self.layers[l].experts, self.cache.views, self.cache.slots)
 
-    def _add_group(self, l: int, hidden: torch.Tensor, pairs: _Pairs, slots: dict[int, int], out: torch.Tensor) -> None:
+    def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
+                   slots: dict[int, int], out: torch.Tensor) -> None:
         """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs to ``out``."""
-        token = pairs.of(slots, pairs.token)  # n
-        slot_ids = self.cache.table[l][pairs.of(slots, pairs.expert)][:, None]  # n x 1
-        res = self._kernels[l](self._slot_view(l), hidden[token], slot_ids, pairs.of(slots, pairs.weight)[:, None])
+        token, slot, flat = self._upload(routing.pairs(slots))  # n each
+        res = self._kernels[l](self._slot_view(l), hidden[token], slot[:, None], weights.reshape(-1)[flat][:, None])
         out.index_add_(0, token, res.float())  # n x H into T x H
-        self.cache.release(list(slots.values()), self.tick)
+        self.cache.release(list(slots.values()))
 
     # decode prediction --------------------------------------------------------------------------
     def _targets(self, l: int) -> list[int]:
@@ -316,19 +316,20 @@ class OffloadEngine(ExpertsPlugin):
 
     def _prefetch(self, layer: int, ranked: list[tuple[int, float]]) -> None:
         """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream."""
-        cache, keep = self.cache, set()
-        wanted, prefetched = self._wanted.setdefault(layer, set()), self._prefetched.setdefault(layer, set())
-        for e, score in ranked[:cache.slots]:
-            key = (layer, e)
-            keep.add(key)
-            wanted.add(e)
-            s = cache.lookup(key)
-            if s is None:
-                cache.fetch(key, self.stores[layer], self.phase, keep, self.tick, wanted=score)
-                cache.stats.prefetched += 1
-                prefetched.add(e)
+        cache, ranked = self.cache, ranked[:self.cache.slots]
+        self._wanted.setdefault(layer, set()).update(e for e, _ in ranked)
+        fetch = []
+        for e, score in ranked:
+            if (s := cache.lookup((layer, e))) is None:
+                fetch.append((e, score))
             else:
                 cache.wanted[s] = max(cache.wanted[s], score)
+        if fetch:
+            experts = [e for e, _ in fetch]
+            cache.fetch(layer, experts, self.stores[layer], self.phase, {(layer, e) for e, _ in ranked},
+                        wanted=[score for _, score in fetch])
+            cache.stats.prefetched += len(experts)
+            self._prefetched.setdefault(layer, set()).update(experts)
 
     # measurement --------------------------------------------------------------------------------
     def reset_stats(self) -> None:
