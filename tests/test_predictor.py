@@ -51,6 +51,7 @@ def test_graphed_predictor_matches_eager():
     model = _trained_like().cuda()
     graphed = GraphedPredictor(model, batch_size=2)
     sparse = GraphedPredictor(model, batch_size=2, sparse=True)
+    compiled = GraphedPredictor(model, batch_size=2, compile=True)
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         history = torch.rand(2, L, E, generator=g).argsort(-1)[..., :K].cuda()
@@ -58,3 +59,4 @@ def test_graphed_predictor_matches_eager():
         expected = model.predict(history, target)
         assert torch.equal(graphed(history, target).sort(1).values, expected.sort(1).values)
         assert torch.equal(sparse(history, target).sort(1).values, expected.sort(1).values)
+        assert torch.equal(compiled(history, target).sort(1).values, expected.sort(1).values)

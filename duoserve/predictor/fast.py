@@ -76,14 +76,17 @@ class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
     ``sparse`` uses the embedding-bag first layer (fewer bytes; on the H200 the dense GEMV was as
-    fast, see benchmarks/results); ``dtype`` applies to the weights and statistics.
+    fast, see benchmarks/results); ``dtype`` applies to the weights and statistics; ``compile`` runs
+    the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
+    the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 
     ``__call__(history, target[, nextgate])`` copies the inputs into static buffers, replays the
     graph on the current stream, and returns the static B x budget id tensor (valid until the next call).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
-                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False):
+                 device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
+                 compile: bool = False):
         s = predictor.spec
         model = SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)
         self.model = model.to(device, dtype)
@@ -91,6 +94,7 @@ class GraphedPredictor:
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None
         self.budget = budget or s.top_k
+        self._predict = torch.compile(self.model.predict, fullgraph=True) if compile else self.model.predict
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
@@ -102,7 +106,7 @@ class GraphedPredictor:
             self.out = self._run()
 
     def _run(self) -> torch.Tensor:
-        return self.model.predict(self.history, self.target, self.nextgate, self.budget)
+        return self._predict(self.history, self.target, self.nextgate, self.budget)
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor,
                  nextgate: torch.Tensor | None = None) -> torch.Tensor:

@@ -196,7 +196,9 @@ class OffloadEngine(ExpertsPlugin):
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         with self.cpu("wait for routing"):
             routing = _Routing(idx, self.E)
-        routed = self.streams.record()  # the predictor stream starts from the routing
+        targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
+                                       and self._history is not None and len(self._history) == len(idx)) else []
+        routed = self.streams.record() if targets else None  # the predictor stream starts from the routing
         hits = self._look_up(l, routing.needed)
         if hits:
             with self.stall.span():
@@ -209,8 +211,6 @@ class OffloadEngine(ExpertsPlugin):
                 out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
                 if hits:
                     self._add_group(l, hidden, weights, routing, hits, out)
-        targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
-                                       and self._history is not None and len(self._history) == len(idx)) else []
         if targets:
             with self.cpu("queue predictor"):
                 scores = self._launch_predictor(l, idx, routed, targets)
