@@ -12,8 +12,8 @@ MoE layer's call then runs, for the experts its router chose:
   2. the experts already in the device cache, in one call of the model's own experts kernel
      (grouped_mm, batched_mm or eager) over the cache slots;
   3. every other expert as soon as its copy lands, in groups of half the cache: fetched on the copy
-     stream, one group copying while the previous one computes (policies with ``overlap``), or
-     copied on the compute stream and waited for (on-demand);
+     stream, the next group's copies queued before this group's compute (policies with ``overlap``),
+     or copied on the compute stream and waited for (on-demand);
   4. decode with a predictor: the predictor scores layer l+1 on its own stream from the token's
      routing history while 2-3 run, and its top experts are copied into the cache right away, so
      layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
@@ -252,13 +252,23 @@ class OffloadEngine(ExpertsPlugin):
 
     def _fetch_and_compute(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
                            missing: list[int], out: torch.Tensor) -> None:
-        """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands."""
+        """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands. With a
+        copy stream, the next group's copies are queued before this group's compute, so the copy stream always
+        has work while the host queues compute (the host's time per group is close to a group's copy time)."""
         stream = self.streams.copy if self.policy.overlap else self.streams.compute
-        chunk = max(1, self.cache.slots // 2)  # one group copies while the previous one computes
-        for i in range(0, len(missing), chunk):
-            experts = missing[i:i + chunk]
-            with self.stall.span(), self.cpu("queue fetches"):
-                group = dict(zip(experts, self.cache.fetch(l, experts, self.stores[l], self.phase, set(), stream)))
+        chunk = max(1, self.cache.slots // 2)
+        groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
+        depth = 2 if self.policy.overlap and 2 * chunk <= self.cache.slots else 1  # groups fetched, not computed
+        queued: list[dict[int, int]] = []  # expert -> slot of each fetched group, oldest first
+        for i in range(len(groups)):
+            with self.stall.span():
+                while len(queued) < depth and i + len(queued) < len(groups):
+                    experts = groups[i + len(queued)]
+                    keep = {(l, e) for group in queued for e in group}  # not computed yet: not to be refilled
+                    with self.cpu("queue fetches"):
+                        slots = self.cache.fetch(l, experts, self.stores[l], self.phase, keep, stream)
+                    queued.append(dict(zip(experts, slots)))
+                group = queued.pop(0)
                 self._wait_ready(group.values())
             with self.cpu("queue compute"):
                 self._add_group(l, hidden, weights, routing, group, out)
