@@ -80,21 +80,27 @@ class GraphedPredictor:
     the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
     the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 
+    ``scores`` makes the graph return B x E sigmoid scores instead of the top ``budget`` ids;
+    ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
+    batch sizes (then ``sparse`` and ``dtype`` are the module's own).
+
     ``__call__(history, target[, nextgate])`` copies the inputs into static buffers, replays the
-    graph on the current stream, and returns the static B x budget id tensor (valid until the next call).
+    graph on the current stream, and returns the static output (valid until the next call).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
-                 compile: bool = False):
+                 compile: bool = False, scores: bool = False, module: nn.Module | None = None):
         s = predictor.spec
-        model = SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)
-        self.model = model.to(device, dtype)
+        if module is None:
+            module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
+        self.model = module
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None
         self.budget = budget or s.top_k
-        self._predict = torch.compile(self.model.predict, fullgraph=True) if compile else self.model.predict
+        call = self._scores if scores else self._top
+        self._call = torch.compile(call, fullgraph=True) if compile else call
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
@@ -105,8 +111,14 @@ class GraphedPredictor:
         with torch.cuda.graph(self.graph, stream=side), torch.no_grad():  # one side stream: one cuBLAS workspace
             self.out = self._run()
 
+    def _top(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None) -> torch.Tensor:
+        return self.model.predict(history, target, nextgate, self.budget)  # B x budget
+
+    def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None) -> torch.Tensor:
+        return self.model(history, target, nextgate).sigmoid()  # B x E
+
     def _run(self) -> torch.Tensor:
-        return self._predict(self.history, self.target, self.nextgate, self.budget)
+        return self._call(self.history, self.target, self.nextgate)
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor,
                  nextgate: torch.Tensor | None = None) -> torch.Tensor:

@@ -226,18 +226,18 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
     runs = []
     # all-resident first: its experts go on and off the device before any offload run is timed
     order = sorted(policies, key=lambda p: not p.resident)
-    for i, batch in enumerate(s.batch_sizes):
+    warm = [order[0]] + [p for p in order if not p.resident][:1 if order[0].resident else 0]
+    for batch in s.batch_sizes:
         input_ids = torch.randint(vocab, (batch, s.prompt_len), generator=generator).to(device)
-        if i == 0:  # the process's first offload run was the slowest in every H200 run: run one untimed
-            first = next((p for p in order if not p.resident), order[0])
-            run_policy(model, stores, first, s.predictors[0] if first.predict else "none", s, input_ids,
-                       s.new_tokens)
+        # untimed: on the H200 the process's first offload run, and the first run at a new batch size
+        # (all-resident too), were up to 2-7x slower than later ones
+        for policy in warm:
+            run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,
+                       _new_tokens(s, policy))
         for round_ in range(s.repeats):
             for policy in order:
-                slow = not (policy.predict or policy.resident) and s.baseline_new_tokens
                 for predictor in (s.predictors if policy.predict else ["none"]):
-                    run = run_policy(model, stores, policy, predictor, s, input_ids,
-                                     s.baseline_new_tokens if slow else s.new_tokens)
+                    run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy))
                     run["round"] = round_
                     runs.append(run)
                     if on_run:
@@ -252,6 +252,12 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
         "baseline_new_tokens": s.baseline_new_tokens, "gpu_expert_budget": s.gpu_expert_budget,
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
     }
+
+
+def _new_tokens(s: BenchSettings, policy: Policy) -> int:
+    """Tokens a run generates: fewer for the fetch-bound baselines when ``baseline_new_tokens`` is set."""
+    slow = not (policy.predict or policy.resident)
+    return s.baseline_new_tokens if slow and s.baseline_new_tokens else s.new_tokens
 
 
 def _device_name(device: torch.device) -> str:

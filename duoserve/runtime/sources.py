@@ -20,7 +20,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from duoserve.predictor.fast import fold_batchnorm
+from duoserve.predictor.fast import GraphedPredictor, fold_batchnorm
 from duoserve.predictor.model import ExpertPredictor
 
 
@@ -79,18 +79,31 @@ class LayerPredictor(Protocol):
 
 
 class TrainedPredictor:
-    """An exported predictor (BatchNorm folded) scoring layer ``target`` from the B x L x k routing history."""
+    """An exported predictor (BatchNorm folded) scoring layer ``target`` from the B x L x k routing history.
+
+    On CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's
+    prediction costs the host one replay instead of a launch per operation (about 30).
+    """
 
     def __init__(self, predictor: ExpertPredictor, device: torch.device):
         if predictor.spec.nextgate:
             raise ValueError("this predictor needs next-gate features, which the runtime does not compute yet; "
                              "train one without --nextgate")
+        self.predictor = predictor
         self.model = fold_batchnorm(predictor).to(device)
+        self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
 
     @torch.no_grad()
     def scores(self, history: torch.Tensor, target: int) -> torch.Tensor:
-        layer = torch.full((len(history),), target, dtype=torch.long, device=history.device)
-        return self.model(history, layer).sigmoid()  # B x E
+        """B x E scores in [0, 1] (on the current stream)."""
+        B = len(history)
+        layer = torch.full((B,), target, dtype=torch.long, device=history.device)
+        if history.device.type != "cuda":
+            return self.model(history, layer).sigmoid()
+        if B not in self._graphs:
+            self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
+                                               module=self.model)
+        return self._graphs[B](history, layer)
 
 
 class OraclePredictor:
