@@ -195,8 +195,9 @@ def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
     (e,) = cache.fetch(0, [0], store, "decode", keep={(0, 2)})  # kept 2 stays; of c and d, c is older
     assert e == c and cache.lookup((1, 3)) == d
     assert cache.stats.copies["decode"] == 5 and cache.stats.bytes["decode"] == 5 * layout.nbytes
-    with pytest.raises(RuntimeError, match="no slot to refill"):
+    with pytest.raises(RuntimeError, match="cannot take 2 experts"):
         cache.fetch(0, [1, 3], store, "decode", keep={(0, 2), (0, 0)})  # two new experts, one slot to take
+    assert cache.lookup((1, 3)) == d and cache.stats.copies["decode"] == 5  # refused before any copy
 
 
 def test_cache_groups_refill_the_least_recent_slots_so_copies_overlap_compute():

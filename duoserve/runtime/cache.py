@@ -14,6 +14,7 @@ host only; kernels get slot ids from the engine.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 import torch
@@ -63,31 +64,25 @@ class ExpertCache:
     def lookup(self, key: Key) -> int | None:
         return self.slot_of.get(key)
 
-    def victim(self, keep: set[Key]) -> int:
-        """The slot to refill: empty first, then lowest (wanted, last used), never one holding a key in ``keep``."""
-        best, best_rank = None, None
-        for s, key in enumerate(self.key):
-            if key in keep:
-                continue
-            rank = (-1.0, -1) if key is None else (self.wanted[s], self.used[s])
-            if best_rank is None or rank < best_rank:
-                best, best_rank = s, rank
-        if best is None:
-            raise RuntimeError(f"expert cache of {self.slots} slots has no slot to refill "
-                               f"({len(keep)} experts must stay); raise the GPU expert budget")
-        return best
+    def victims(self, count: int, keep: set[Key]) -> list[int]:
+        """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), never one holding a
+        key in ``keep``; one pass over the slots whatever the count (budgets reach hundreds of slots)."""
+        ranked = [((-1.0, -1) if key is None else (self.wanted[s], self.used[s]), s)
+                  for s, key in enumerate(self.key) if key not in keep]
+        if len(ranked) < count:
+            raise RuntimeError(f"expert cache of {self.slots} slots cannot take {count} experts while {len(keep)} "
+                               "must stay; raise the GPU expert budget")
+        return [s for _, s in heapq.nsmallest(count, ranked)]
 
     def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str, keep: set[Key], stream=None,
               wanted: list[float] | None = None) -> list[int]:
-        """Copy ``experts`` of ``layer`` from ``store`` into victim slots (never one holding a key in ``keep``) on
-        ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's predicted score."""
+        """Copy ``experts`` of ``layer`` (none of them cached) from ``store`` into victim slots (never one holding a
+        key in ``keep``) on ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's score."""
         stream = stream or self.streams.copy
-        keep = keep | {(layer, e) for e in experts}
-        slots, waited = [], set()
+        slots, waited = self.victims(len(experts), keep), set()
         self.clock += 1
         with self.streams.on(stream):
-            for i, e in enumerate(experts):
-                s = self.victim(keep)
+            for i, (e, s) in enumerate(zip(experts, slots)):
                 if self.key[s] is not None:
                     del self.slot_of[self.key[s]]
                 if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
@@ -96,7 +91,6 @@ class ExpertCache:
                 self.stats.bytes[phase] += store.copy_into(e, self.buffer[s])
                 self.key[s], self.slot_of[(layer, e)] = (layer, e), s
                 self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-                slots.append(s)
         ready = self.streams.record(stream)
         for s in slots:
             self.ready[s] = ready

@@ -205,7 +205,8 @@ class OffloadEngine(ExpertsPlugin):
                 self._wait_ready(hits.values())
         with self.cpu("queue compute"):
             if len(hits) == len(routing.needed):  # all resident (decode's aim): the model's kernel on the routing as is
-                out = self._kernels[l](self._slot_view(l), hidden, self._upload(routing.slot_ids(hits)), weights)  # T x H
+                slot_ids = self._upload(routing.slot_ids(hits))  # T x k
+                out = self._kernels[l](self._slot_view(l), hidden, slot_ids, weights)  # T x H
                 self.cache.release(list(hits.values()))
             else:
                 out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
