@@ -326,8 +326,8 @@ def bench_cmd(
         runs_total = repeats * len(s.batch_sizes) * sum(len(s.predictors) if p == "duoserve" else 1 for p in s.policies)
         with _progress() as bar:
             task = bar.add_task("policies", total=runs_total)
-            result = bench(s, on_run=lambda run: bar.update(
-                task, advance=1, description=f"{run['policy']} B={run['batch_size']}"))
+            result = bench(s, on_run=lambda run: bar.advance(task),
+                           on_status=lambda text: bar.update(task, description=text))
     bw = result["bandwidth"]
     console.print(f"{result['device']}: copy bandwidth pinned {_num(bw['pinned_gbps'], '.1f')} GB/s, "
                   f"pageable {_num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "

@@ -198,8 +198,11 @@ def check_targets(runs: list[dict]) -> list[dict]:
     return checks
 
 
-def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dict:
-    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict."""
+def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
+          on_status: Callable[[str], None] | None = None) -> dict:
+    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict. ``on_run`` gets each
+    timed run's result, ``on_status`` a line saying what runs next (untimed warm-ups included)."""
+    say = on_status or (lambda text: None)
     policies = [get_policy(p) for p in s.policies]
     for spec in s.predictors:
         _check_predictor(spec, s.routing)
@@ -232,11 +235,13 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None) -> dic
         # untimed: on the H200 the process's first offload run, and the first run at a new batch size
         # (all-resident too), were up to 2-7x slower than later ones
         for policy in warm:
+            say(f"warm-up {policy.name} B={batch} (untimed)")
             run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,
                        _new_tokens(s, policy))
         for round_ in range(s.repeats):
             for policy in order:
                 for predictor in (s.predictors if policy.predict else ["none"]):
+                    say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor} B={batch}")
                     run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy))
                     run["round"] = round_
                     runs.append(run)
