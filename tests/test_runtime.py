@@ -101,6 +101,46 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
     assert stats["prefetched"] > 0 and stats["predictor_ms"] > 0
 
 
+def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedded):
+    # a predictor whose logits are the multi-hot of its next-gate input: what the engine feeds it is checked against
+    # layer t's own router applied to layer t-1's MoE input, recorded independently by a pre-hook
+    model, tokenizer = embedded
+    reference = _generate(model, tokenizer)[0]
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    spec = FeatureSpec(L, E, k, window=1, popularity=False, affinity=False, nextgate=True)
+    predictor = ExpertPredictor(spec, widths=()).eval()
+    with torch.no_grad():
+        predictor.mlp[-1].weight.zero_()
+        predictor.mlp[-1].bias.zero_()
+        predictor.mlp[-1].weight[:, -E:] = torch.eye(E)  # the next-gate block is the last E features
+    inputs, seen = {}, []
+    hooks = [layer.experts.register_forward_pre_hook(
+        lambda m, args, kwargs, l=l: inputs.__setitem__(l, args[0] if args else kwargs["hidden_states"]),
+        with_kwargs=True) for l, layer in enumerate(layers)]
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    try:
+        with OffloadEngine(model, stores, policy, predictor=predictor) as engine:
+            scores = engine.predictor.scores
+
+            def spy(history, target, nextgate=None):
+                routed = layers[target].router(inputs[target - 1])[-1]  # T x k: the router's own choice
+                seen.append(torch.equal(nextgate.sort(1).values, routed.sort(1).values))
+                return scores(history, target, nextgate)
+
+            engine.predictor.scores = spy
+            tokens = _generate(model, tokenizer)[0]
+            stats = engine.stats()
+    finally:
+        for hook in hooks:
+            hook.remove()
+        put_experts(layers, stores, "cpu")
+    assert torch.equal(tokens, reference)
+    assert len(seen) == 11 * (L - 1) and all(seen)  # every decode step (12 new tokens: 11 steps), layers 1..L-1
+    assert stats["prefetched"] > 0 and stats["hit_rate"]["decode"] > 0
+
+
 def _oracle_decode(embedded, recall: float, new_tokens: int, **engine_args) -> tuple[dict, OffloadEngine, tuple]:
     """Generate one prompt under duoserve with an oracle on random routing; stats, engine and (L, E, k)."""
     model, tokenizer = embedded

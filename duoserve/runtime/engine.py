@@ -15,7 +15,8 @@ MoE layer's call then runs, for the experts its router chose:
      stream, the next group's copies queued before this group's compute (policies with ``overlap``),
      or copied on the compute stream and waited for (on-demand);
   4. decode with a predictor: the predictor scores layer l+1 on its own stream from the token's
-     routing history while 2-3 run, and its top experts are copied into the cache right away, so
+     routing history (and, if it was trained with them, next-gate ids: layer l+1's router on this
+     layer's input) while 2-3 run, and its top experts are copied into the cache right away, so
      layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
      miss is fetched at once. Batches use the union of their tokens' experts.
 """
@@ -33,7 +34,7 @@ from duoserve.runtime.policies import Policy
 from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import CpuSections, SpanTimer, Streams
-from duoserve.trace.hooks import find_moe_layers, moe_geometry
+from duoserve.trace.hooks import find_moe_layers, moe_geometry, next_gate_fn
 
 
 class _SlotView:
@@ -168,6 +169,12 @@ class OffloadEngine(ExpertsPlugin):
         self.streams = Streams(self.device)
         self.predictor = TrainedPredictor(predictor, self.device) if isinstance(predictor, ExpertPredictor) \
             else predictor
+        self._next_gate = None  # per target layer t >= 1: its router's top-k on layer t-1's MoE input
+        if getattr(self.predictor, "nextgate", False):
+            if any(layer.router is None for layer in self.layers[1:]):
+                raise ValueError("this predictor uses next-gate features, but not every MoE layer's router was found "
+                                 "(a `gate` or `router` sibling of its experts module)")
+            self._next_gate = [None] + [next_gate_fn(layer.router, self.k) for layer in self.layers[1:]]
         slots = default_capacity(policy, self.E, self.k, lookahead)
         if gpu_expert_budget is not None and policy.reuse and not policy.prefetch_layer:
             slots = gpu_expert_budget // stores[0].layout.nbytes
@@ -214,7 +221,7 @@ class OffloadEngine(ExpertsPlugin):
                     self._add_group(l, hidden, weights, routing, hits, out)
         if targets:
             with self.cpu("queue predictor"):
-                scores = self._launch_predictor(l, idx, routed, targets)
+                scores = self._launch_predictor(l, hidden, idx, routed, targets)
         self._fetch_and_compute(l, hidden, weights, routing, [e for e in routing.needed if e not in hits], out)
         if targets:
             with self.cpu("wait for predictor"):
@@ -291,14 +298,20 @@ class OffloadEngine(ExpertsPlugin):
         first = 1 if l == 0 else l + self.lookahead
         return list(range(first, min(l + self.lookahead, self.L - 1) + 1))
 
-    def _launch_predictor(self, l: int, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
+    def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
         event that says they have landed (the CPU reads them only after the misses are queued)."""
         stream = self.streams.predict
         self.streams.wait(stream, routed)
+        if self.streams.cuda:  # read on the predictor's stream: not to be reused by the compute stream before
+            idx.record_stream(stream)
+            hidden.record_stream(stream)
         with self.streams.on(stream), self.predict_time.span(stream):
             self._history[:, l].copy_(idx)
-            scores = torch.stack([self.predictor.scores(self._history, t) for t in targets])  # D x B x E
+            # next-gate: layer t's router on this layer's MoE input (t = l + 1; such predictors take look-ahead 1)
+            scores = torch.stack([self.predictor.scores(self._history, t, self._next_gate[t](hidden)
+                                                        if self._next_gate else None)
+                                  for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
             if top.indices.device.type == "cpu":
                 return top.indices, top.values, None

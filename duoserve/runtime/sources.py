@@ -75,35 +75,38 @@ class ReplayRouting:
 
 
 class LayerPredictor(Protocol):
-    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor: ...  # B x E (device or host)
+    def scores(self, history: torch.Tensor, target: int,
+               nextgate: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E (device or host)
 
 
 class TrainedPredictor:
-    """An exported predictor (BatchNorm folded) scoring layer ``target`` from the B x L x k routing history.
+    """An exported predictor (BatchNorm folded) scoring layer ``target`` from the B x L x k routing history and,
+    for predictors trained with next-gate features, the B x k next-gate ids for ``target``.
 
     On CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's
     prediction costs the host one replay instead of a launch per operation (about 30).
     """
 
     def __init__(self, predictor: ExpertPredictor, device: torch.device):
-        if predictor.spec.nextgate:
-            raise ValueError("this predictor needs next-gate features, which the runtime does not compute yet; "
-                             "train one without --nextgate")
         self.predictor = predictor
         self.model = fold_batchnorm(predictor).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
 
+    @property
+    def nextgate(self) -> bool:
+        return self.predictor.spec.nextgate
+
     @torch.no_grad()
-    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor:
+    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
         """B x E scores in [0, 1] (on the current stream)."""
         B = len(history)
         layer = torch.full((B,), target, dtype=torch.long, device=history.device)
         if history.device.type != "cuda":
-            return self.model(history, layer).sigmoid()
+            return self.model(history, layer, nextgate).sigmoid()
         if B not in self._graphs:
             self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
                                                module=self.model)
-        return self._graphs[B](history, layer)
+        return self._graphs[B](history, layer, nextgate)
 
 
 class OraclePredictor:
@@ -116,7 +119,7 @@ class OraclePredictor:
         self.routing, self.E, self.recall = routing, num_experts, recall
         self.generator = torch.Generator().manual_seed(seed)
 
-    def scores(self, history: torch.Tensor, target: int) -> torch.Tensor:
+    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
         true = self.routing.ids(target)  # B x k
         B, k = true.shape
         others = torch.rand(B, self.E, generator=self.generator).scatter_(1, true, -1.0)  # true experts last
