@@ -344,6 +344,8 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
         moved = r["bytes_h2d"]["decode"] / (r["new_tokens"] - 1) / (gbps * 1e9) * 1e3
         assert r["decode_bound_ms"] == pytest.approx(max(moved, resident["tpot_ms"]))
         assert r["prefill_bound_s"] == pytest.approx(max(r["bytes_h2d"]["prefill"] / (gbps * 1e9), resident["ttft_s"]))
+    L = saved["geometry"]["moe_layers"]
+    assert all(r["per_moe_layer"]["tpot_ms"] * L == pytest.approx(r["tpot_ms"]) for r in runs)
 
 
 @pytest.mark.gpu

@@ -244,6 +244,9 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
                     say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor} B={batch}")
                     run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy))
                     run["round"] = round_
+                    # config-only models may keep fewer layers than the real one: per-layer figures scale
+                    run["per_moe_layer"] = {"ttft_s": run["ttft_s"] / geometry.num_layers,
+                                            "tpot_ms": run["tpot_ms"] / geometry.num_layers if run["tpot_ms"] else None}
                     runs.append(run)
                     if on_run:
                         on_run(run)
