@@ -55,7 +55,8 @@ class _Routing:
         self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
         self.counts = np.bincount(self.ids.reshape(-1), minlength=num_experts)  # E: pairs of each expert
         self.needed: list[int] = np.flatnonzero(self.counts).tolist()
-        self._order: np.ndarray | None = None
+        self._order: np.ndarray | None = None  # T*k flat positions in expert order, sorted on first use
+        self._starts: np.ndarray | None = None  # E + 1: expert e owns _order[starts[e]:starts[e + 1]]
 
     def slot_ids(self, slots: dict[int, int]) -> np.ndarray:
         """T x k: the routing with each expert replaced by its cache slot (every routed expert is in ``slots``)."""
@@ -65,9 +66,9 @@ class _Routing:
 
     def pairs(self, slots: dict[int, int]) -> np.ndarray:
         """3 x n: token, cache slot and flat routing position (token * k + j) of the pairs of ``slots``' experts."""
-        if self._order is None:  # only when some expert is not resident: flat positions in expert order
+        if self._order is None:  # sorted only when some expert is not resident
             self._order = np.argsort(self.ids.reshape(-1), kind="stable")  # T*k
-            self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1: e owns _order[starts[e]:starts[e+1]]
+            self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1
         flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in slots])  # n
         slot = np.repeat(np.fromiter(slots.values(), dtype=np.int64, count=len(slots)), self.counts[list(slots)])  # n
         return np.stack([flat // self.ids.shape[1], slot, flat])
