@@ -373,6 +373,7 @@ def stats(
     out: Annotated[Path, typer.Option(help="Output .safetensors file (counts + JSON metadata).")]
     = Path("stats.safetensors"),
     phase: Annotated[str, typer.Option(help=PHASE_HELP)] = "all",
+    workers: Annotated[int, typer.Option(help="Processes counting a folder's part files in parallel.")] = 1,
 ) -> None:
     """Per-layer popularity (L x E) and consecutive-layer affinity ((L-1) x E x E) with counts."""
     from duoserve.features.stats import compute_stats
@@ -384,7 +385,7 @@ def stats(
             task = progress.add_task("counting", total=len(opened))
             merged = None
             for trace in opened:
-                one = compute_stats(trace, _phase(phase))
+                one = compute_stats(trace, _phase(phase), workers=workers)
                 merged = one if merged is None else merged.merge(one)
                 progress.advance(task)
         merged.save(out)

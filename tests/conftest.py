@@ -69,8 +69,10 @@ def dense_model(tmp_path_factory, tokenizer) -> Path:
     return save_random_model(cfg, tokenizer, tmp_path_factory.mktemp("models") / "dense")
 
 
-def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahead: int = 0, num_experts: int = 6):
-    """A hand-built trace: ``ids`` N x L x k expert ids, one request id per row; returns the opened trace."""
+def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahead: int = 0, num_experts: int = 6,
+                parts: int = 1):
+    """A hand-built trace: ``ids`` N x L x k expert ids, one request id per row, in ``parts`` part files;
+    returns the opened trace."""
     import numpy as np
 
     from duoserve.trace.format import TraceMeta
@@ -92,8 +94,9 @@ def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahe
     }
     for d in range(1, lookahead + 1):
         cols["nextgate" if d == 1 else f"nextgate_d{d}"] = ids[:, d:].reshape(N, -1)
-    writer.add(cols)
-    writer.flush()
+    for rows in np.array_split(np.arange(N), parts):
+        writer.add({name: col[rows] for name, col in cols.items()})
+        writer.flush()
     from duoserve.trace import open_trace
 
     return open_trace(out)

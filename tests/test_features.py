@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from duoserve.cli import train_app
 from duoserve.features.examples import load_routing, make_examples, split_requests
 from duoserve.features.stats import RoutingStats, compute_stats, stats_from_ids
 from duoserve.metrics import topk_metrics
@@ -52,6 +54,30 @@ def test_stats_equal_brute_force_and_merge(tmp_path):
     assert loaded.tokens == 300
     with pytest.raises(ValueError, match="cannot merge"):
         stats.merge(RoutingStats(np.zeros((3, E), int), np.zeros((2, E, E), int), 0))
+
+
+def test_stats_counted_in_worker_processes_equal_one_process(tmp_path):
+    ids = _random_ids(300, 1)
+    trace = write_trace(tmp_path / "t", ids, np.arange(300) // 10, phases=["prefill"] * 150 + ["decode"] * 150,
+                        parts=3)
+    assert len(trace.files) == 3
+    one, many = compute_stats(trace, phase="decode"), compute_stats(trace, phase="decode", workers=2)
+    np.testing.assert_array_equal(many.popularity_counts, one.popularity_counts)
+    np.testing.assert_array_equal(many.affinity_counts, one.affinity_counts)
+    np.testing.assert_array_equal(many.affinity_counts, stats_from_ids(ids[150:], E).affinity_counts)
+    assert many.tokens == one.tokens == 150 and many.meta == one.meta
+    with pytest.raises(ValueError, match="workers must be at least 1"):
+        compute_stats(trace, workers=0)
+
+    out = tmp_path / "s.safetensors"
+    result = CliRunner().invoke(train_app, ["stats", str(trace.path), "--out", str(out), "--workers", "2"])
+    assert result.exit_code == 0, result.output
+    saved = RoutingStats.load(out)
+    np.testing.assert_array_equal(saved.affinity_counts, compute_stats(trace).affinity_counts)
+    assert saved.tokens == 300
+    bad = CliRunner().invoke(train_app, ["stats", str(tmp_path / "none"), "--out", str(tmp_path / "x.safetensors")])
+    assert bad.exit_code == 2 and "no trace at" in " ".join(bad.output.split())
+    assert not (tmp_path / "x.safetensors").exists()
 
 
 def test_split_is_by_request_and_deterministic(tmp_path):

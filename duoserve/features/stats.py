@@ -9,14 +9,15 @@ Saved as safetensors (arrays) with JSON metadata, loadable without the training 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 
 import numpy as np
-import torch
-from safetensors.torch import load_file, save_file
+from safetensors.numpy import load_file, save_file
 
-from duoserve.trace.format import Trace
+from duoserve.trace.format import Trace, open_trace
 from duoserve.trace.info import expert_counts
 
 STATS_VERSION = 1
@@ -55,8 +56,7 @@ class RoutingStats:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"popularity_counts": torch.from_numpy(self.popularity_counts),
-                   "affinity_counts": torch.from_numpy(self.affinity_counts)}, str(tmp),
+        save_file({"popularity_counts": self.popularity_counts, "affinity_counts": self.affinity_counts}, str(tmp),
                   metadata={"duoserve_stats": json.dumps({"version": STATS_VERSION, "tokens": self.tokens,
                                                           "meta": self.meta})})
         tmp.replace(path)
@@ -65,13 +65,12 @@ class RoutingStats:
     def load(cls, path: str | Path) -> RoutingStats:
         from safetensors import safe_open
 
-        with safe_open(str(path), "pt") as f:
+        with safe_open(str(path), "np") as f:
             info = json.loads((f.metadata() or {}).get("duoserve_stats", "{}"))
         if info.get("version") != STATS_VERSION:
             raise ValueError(f"{path} is not a duoserve statistics file of version {STATS_VERSION}")
         arrays = load_file(str(path))
-        return cls(arrays["popularity_counts"].numpy(), arrays["affinity_counts"].numpy(), info["tokens"],
-                   info["meta"])
+        return cls(arrays["popularity_counts"], arrays["affinity_counts"], info["tokens"], info["meta"])
 
 
 def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
@@ -101,11 +100,29 @@ def accumulate(batches, num_layers: int, num_experts: int, meta: dict | None = N
 
 
 def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
-                  batch_rows: int = 65_536) -> RoutingStats:
-    """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets)."""
-    return accumulate(trace.iter_experts(phase, datasets, batch_rows), trace.meta.num_layers,
-                      trace.meta.num_experts,
-                      {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets})
+                  batch_rows: int = 65_536, workers: int = 1) -> RoutingStats:
+    """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets).
+    ``workers`` > 1 counts the part files in that many processes and sums their counts (exact)."""
+    meta = {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets}
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers == 1 or len(trace.files) == 1:
+        return accumulate(trace.iter_experts(phase, datasets, batch_rows), trace.meta.num_layers,
+                          trace.meta.num_experts, meta)
+    jobs = [(str(f), phase, datasets, batch_rows) for f in trace.files]
+    # spawn: a forked child could inherit a lock held by one of Arrow's threads
+    with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
+        parts = list(pool.map(_count_part, jobs))
+    total = parts[0]
+    for part in parts[1:]:
+        total = total.merge(part)
+    return RoutingStats(total.popularity_counts, total.affinity_counts, total.tokens, meta)
+
+
+def _count_part(job: tuple[str, str | None, list[str] | None, int]) -> RoutingStats:
+    """One part file's counts (a worker process's share of ``compute_stats``)."""
+    path, phase, datasets, batch_rows = job
+    return compute_stats(open_trace(path), phase, datasets, batch_rows)
 
 
 def stats_from_ids(ids: np.ndarray, num_experts: int, batch_rows: int = 65_536, meta: dict | None = None) -> RoutingStats:

@@ -4,14 +4,9 @@ Imports only the predictor artifact loader from earlier stages' training side (n
 The names below load on first use, so ``duoserve.runtime.policies`` (the CLI's help text) stays light.
 """
 
-import importlib
+from duoserve._lazy import lazy_exports
 
 _EXPORTS = {"ExpertsPlugin": "engine", "OffloadEngine": "engine", "offload": "generate", "parse_bytes": "generate",
             "timed_generate": "generate", "POLICIES": "policies", "Policy": "policies", "get_policy": "policies"}
 __all__ = sorted(_EXPORTS)
-
-
-def __getattr__(name: str):
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'duoserve.runtime' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"duoserve.runtime.{_EXPORTS[name]}"), name)
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -1,7 +1,12 @@
-"""Stage 1: model + prompts -> routing traces (Parquet)."""
+"""Stage 1: model + prompts -> routing traces (Parquet).
 
-from duoserve.trace.format import TRACE_VERSION, Trace, TraceMeta, open_trace
-from duoserve.trace.hooks import MoEGeometry, RoutingRecorder, UnsupportedModelError, find_moe_layers, moe_geometry
+The names below load on first use: reading a trace (``duoserve.trace.format``) needs no torch.
+"""
 
-__all__ = ["TRACE_VERSION", "MoEGeometry", "RoutingRecorder", "Trace", "TraceMeta", "UnsupportedModelError",
-           "find_moe_layers", "moe_geometry", "open_trace"]
+from duoserve._lazy import lazy_exports
+
+_EXPORTS = {"TRACE_VERSION": "format", "Trace": "format", "TraceMeta": "format", "open_trace": "format",
+            "MoEGeometry": "hooks", "RoutingRecorder": "hooks", "UnsupportedModelError": "hooks",
+            "find_moe_layers": "hooks", "moe_geometry": "hooks"}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)
