@@ -490,7 +490,6 @@ def accuracy(
     from duoserve.evaluate import accuracy as acc
     from duoserve.evaluate import generalization
     from duoserve.evaluate.report import markdown_table, write_report
-    from duoserve.predictor.artifact import load_predictor
     from duoserve.train.fit import FitSettings
 
     with _user_errors():
@@ -501,7 +500,7 @@ def accuracy(
                                            [int(b) for b in extra_budget.split(",") if b.strip()], say)
             extra = ""
             if cross_task or learning_curve:
-                config = load_predictor(predictor).config
+                config = report.info["predictor_config"]
                 base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
                                    features=[f for f in ("popularity", "affinity", "nextgate")
                                              if config["feature_spec"][f]], progress=False)

@@ -19,6 +19,7 @@ import torch
 
 import duoserve
 from duoserve.predictor.artifact import load_predictor
+from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.engine import ExpertsPlugin, OffloadEngine
 from duoserve.runtime.generate import timed_generate
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
@@ -111,25 +112,26 @@ def _routing(s: BenchSettings, L: int, E: int, k: int):
     return ReplayRouting(s.routing, L, E, k)
 
 
-def _check_predictor(spec: str, routing: str) -> None:
-    """Refuse a predictor spec that cannot run, before a large model is built."""
-    if spec.startswith("oracle") and routing == "router":
+def _load_predictors(specs: list[str], routing: str) -> dict[str, ExpertPredictor]:
+    """The trained artifacts among ``specs``, read once (on the CPU); refuses a spec that cannot run, before a
+    large model is built."""
+    if routing == "router" and any(spec.startswith("oracle") for spec in specs):
         raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
-    if spec != "none" and not spec.startswith("oracle"):
-        load_predictor(spec)
+    return {spec: load_predictor(spec) for spec in specs if spec != "none" and not spec.startswith("oracle")}
 
 
-def _predictor(spec: str, routing, E: int, device: torch.device):
+def _predictor(spec: str, routing, E: int, device: torch.device, loaded: dict[str, ExpertPredictor]):
     if spec == "none":
         return None
     if spec.startswith("oracle"):
         return OraclePredictor(routing, E, float(spec.partition(":")[2] or 1.0))
-    return load_predictor(spec, device)
+    return loaded[spec] if spec in loaded else load_predictor(spec, device)
 
 
 def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, predictor: str, s: BenchSettings,
-               input_ids: torch.Tensor, new_tokens: int) -> dict:
-    """One timed generation of ``policy`` (after a short warm-up), with the engine's counters."""
+               input_ids: torch.Tensor, new_tokens: int, loaded: dict[str, ExpertPredictor] | None = None) -> dict:
+    """One timed generation of ``policy`` (after a short warm-up), with the engine's counters. ``loaded``: trained
+    predictors already read, by spec (others are read here)."""
     device = input_ids.device
     layers = find_moe_layers(model)
     g = moe_geometry(model, layers)
@@ -140,7 +142,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
         plugin = ExpertsPlugin(model, routing)
     else:
         plugin = OffloadEngine(model, stores[policy.pinned], policy,
-                               _predictor(predictor, routing, g.num_experts, device), routing,
+                               _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
                                s.gpu_expert_budget, device, s.lookahead)
     try:
         with plugin:
@@ -204,8 +206,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     timed run's result, ``on_status`` a line saying what runs next (untimed warm-ups included)."""
     say = on_status or (lambda text: None)
     policies = [get_policy(p) for p in s.policies]
-    for spec in s.predictors:
-        _check_predictor(spec, s.routing)
+    loaded = _load_predictors(s.predictors, s.routing)
     device = resolve_device(s.device)
     model = build_model(s, device)
     layers = find_moe_layers(model)
@@ -237,12 +238,12 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
         for policy in warm:
             say(f"warm-up {policy.name} B={batch} (untimed)")
             run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,
-                       _new_tokens(s, policy))
+                       _new_tokens(s, policy), loaded)
         for round_ in range(s.repeats):
             for policy in order:
                 for predictor in (s.predictors if policy.predict else ["none"]):
                     say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor} B={batch}")
-                    run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy))
+                    run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy), loaded)
                     run["round"] = round_
                     # config-only models may keep fewer layers than the real one: per-layer figures scale
                     run["per_moe_layer"] = {"ttft_s": run["ttft_s"] / geometry.num_layers,

@@ -183,6 +183,7 @@ class OffloadEngine(ExpertsPlugin):
                 raise ValueError(f"a GPU expert budget of {gpu_expert_budget / 1e9:.2f} GB holds {slots} experts of "
                                  f"{stores[0].layout.nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
         self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
+        self._slot_views = [_SlotView(layer.experts, self.cache.views, self.cache.slots) for layer in self.layers]
         self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._wanted: dict[int, set[int]] = {}  # layer -> experts given a prefetch score for it
@@ -214,7 +215,7 @@ class OffloadEngine(ExpertsPlugin):
         with self.cpu("queue compute"):
             if len(hits) == len(routing.needed):  # all resident (decode's aim): the model's kernel on the routing as is
                 slot_ids = self._upload(routing.slot_ids(hits))  # T x k
-                out = self._kernels[l](self._slot_view(l), hidden, slot_ids, weights)  # T x H
+                out = self._kernels[l](self._slot_views[l], hidden, slot_ids, weights)  # T x H
                 self.cache.release(list(hits.values()))
             else:
                 out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
@@ -282,14 +283,11 @@ class OffloadEngine(ExpertsPlugin):
             with self.cpu("queue compute"):
                 self._add_group(l, hidden, weights, routing, group, out)
 
-    def _slot_view(self, l: int) -> _SlotView:
-        return _SlotView(self.layers[l].experts, self.cache.views, self.cache.slots)
-
     def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
                    slots: dict[int, int], out: torch.Tensor) -> None:
         """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs to ``out``."""
         token, slot, flat = self._upload(routing.pairs(slots))  # n each
-        res = self._kernels[l](self._slot_view(l), hidden[token], slot[:, None], weights.reshape(-1)[flat][:, None])
+        res = self._kernels[l](self._slot_views[l], hidden[token], slot[:, None], weights.reshape(-1)[flat][:, None])
         out.index_add_(0, token, res.float())  # n x H into T x H
         self.cache.release(list(slots.values()))
 
@@ -332,9 +330,9 @@ class OffloadEngine(ExpertsPlugin):
         if done is not None:
             done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
         ranked = []
-        for target_ids, target_vals in zip(ids.tolist(), vals.tolist()):
+        for target_ids, target_vals in zip(ids.flatten(1).tolist(), vals.flatten(1).tolist()):  # D x B*k each
             best: dict[int, float] = {}
-            for e, v in zip(sum(target_ids, []), sum(target_vals, [])):
+            for e, v in zip(target_ids, target_vals):
                 best[e] = max(v, best.get(e, 0.0))
             ranked.append(sorted(best.items(), key=lambda item: -item[1]))
         return ranked

@@ -91,6 +91,7 @@ class TrainedPredictor:
         self.predictor = predictor
         self.model = fold_batchnorm(predictor).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (batch size, layer) -> B layer ids, made once
 
     @property
     def nextgate(self) -> bool:
@@ -100,7 +101,9 @@ class TrainedPredictor:
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
         """B x E scores in [0, 1] (on the current stream)."""
         B = len(history)
-        layer = torch.full((B,), target, dtype=torch.long, device=history.device)
+        if (B, target) not in self._targets:  # not one fill kernel per layer of every decode step
+            self._targets[B, target] = torch.full((B,), target, dtype=torch.long, device=history.device)
+        layer = self._targets[B, target]
         if history.device.type != "cuda":
             return self.model(history, layer, nextgate).sigmoid()
         if B not in self._graphs:

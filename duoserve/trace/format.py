@@ -13,7 +13,9 @@ geometry, sampling and generation settings. Later stages open a trace only throu
 
 from __future__ import annotations
 
+import functools
 import json
+import operator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -80,9 +82,9 @@ def arrow_schema(meta: TraceMeta) -> pa.Schema:
 
 def row_filter(phase: str | None = None, datasets: list[str] | None = None) -> pc.Expression | None:
     """A pyarrow filter on phase and datasets (None: all rows)."""
-    conds = [c for c in (pc.field("phase") == phase if phase is not None else None,
-                         pc.field("dataset").isin(datasets) if datasets else None) if c is not None]
-    return conds[0] & conds[1] if len(conds) == 2 else (conds[0] if conds else None)
+    conds = [pc.field("phase") == phase] if phase is not None else []
+    conds += [pc.field("dataset").isin(datasets)] if datasets else []
+    return functools.reduce(operator.and_, conds) if conds else None
 
 
 def part_files(path: Path) -> list[Path]:
