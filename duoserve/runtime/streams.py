@@ -90,6 +90,10 @@ class CpuSections:
 
     @contextmanager
     def __call__(self, name: str) -> Iterator[None]:
+        # named in a profiler's trace when one records (benchmarks/runtime_profile.py); one flag read otherwise
+        mark = torch.autograd.profiler.record_function(name) if torch.autograd.profiler._is_profiler_enabled \
+            else nullcontext()
         start = time.perf_counter()
-        yield
+        with mark:
+            yield
         self.ms[name] = self.ms.get(name, 0.0) + (time.perf_counter() - start) * 1e3
