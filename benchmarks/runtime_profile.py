@@ -1,21 +1,114 @@
-"""Where one offload run spends its CPU time: torch.profiler over `duoserve-run bench`'s run of one policy.
+"""Where one offload run spends its time: torch.profiler over `duoserve-run bench`'s run of one policy.
 
     python3 benchmarks/runtime_profile.py MODEL_DIR --layers 4 --policy duoserve --predictor oracle:1
-prints the profiler's table (self CPU time; waits show up as cudaStreamSynchronize / cudaEventSynchronize).
+prints the profiler's table (self CPU time; waits show up as cudaStreamSynchronize / cudaEventSynchronize)
+and, on CUDA, a timeline per forward pass (prefill, then each decode step): host wall time, GPU span,
+how busy the copy and compute streams were inside it, and the engine's host sections per pass.
+``--trace t.json`` also writes the Chrome trace (engine sections are named in it).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
+import json
+import tempfile
+from collections import defaultdict
+from contextlib import contextmanager
 
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 
 from duoserve.runtime.bench import BenchSettings, build_model, run_policy
+from duoserve.runtime.generate import parse_bytes
 from duoserve.runtime.policies import get_policy
 from duoserve.runtime.store import HostExperts, take_experts
 from duoserve.trace.collect import resolve_device
 from duoserve.trace.hooks import find_moe_layers
+
+SECTIONS = ("wait for routing", "queue compute", "queue fetches", "queue predictor", "wait for predictor",
+            "queue prefetch")
+
+
+@contextmanager
+def named_passes(model):
+    """Name each forward pass in the trace ("prefill" or "decode"); undone on exit."""
+    forward = model.forward
+
+    def named(*args, **kwargs):
+        ids = kwargs.get("input_ids")
+        with record_function("prefill" if ids is not None and ids.shape[1] > 1 else "decode"):
+            return forward(*args, **kwargs)
+
+    model.forward = named
+    try:
+        yield
+    finally:
+        del model.forward
+
+
+def _busy(spans: list[tuple[float, float]]) -> float:
+    """Total length of the union of ``spans`` (start, end)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def timeline(trace: dict) -> list[dict]:
+    """Per forward pass: host ms, GPU span ms, copy/compute stream busy ms in it, H2D GB/s, host ms per section."""
+    events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    passes = sorted((e for e in events if e["name"] in ("prefill", "decode") and e.get("cat") == "user_annotation"),
+                    key=lambda e: e["ts"])
+    launches = [e for e in events if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})]
+    gpu = {e["args"]["correlation"]: e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")
+           and "correlation" in e.get("args", {})}
+    sections = [e for e in events if e["name"] in SECTIONS and e.get("cat") == "user_annotation"]
+    h2d = [e for e in gpu.values() if e.get("cat") == "gpu_memcpy" and "HtoD" in e["name"]]
+    by_stream = defaultdict(float)
+    for e in h2d:
+        by_stream[e["args"].get("stream")] += e["dur"]
+    copy_stream = max(by_stream, key=by_stream.get) if by_stream else None
+    rows = []
+    for p in passes:
+        lo, hi = p["ts"], p["ts"] + p["dur"]
+        mine = [gpu[e["args"]["correlation"]] for e in launches
+                if lo <= e["ts"] <= hi and e["args"]["correlation"] in gpu]
+        if not mine:
+            continue
+        start, end = min(e["ts"] for e in mine), max(e["ts"] + e["dur"] for e in mine)
+        copies = [e for e in mine if e["args"].get("stream") == copy_stream and e.get("cat") == "gpu_memcpy"]
+        compute = [e for e in mine if e["args"].get("stream") != copy_stream]
+        nbytes = sum(e["args"].get("bytes", 0) for e in copies)
+        copy_ms = _busy([(e["ts"], e["ts"] + e["dur"]) for e in copies]) / 1e3
+        host = defaultdict(float)
+        for s in sections:
+            if lo <= s["ts"] <= hi:
+                host[s["name"]] += s["dur"] / 1e3
+        rows.append({"pass": p["name"], "host_ms": p["dur"] / 1e3, "gpu_span_ms": (end - start) / 1e3,
+                     "copy_busy_ms": copy_ms, "copy_gbps": nbytes / copy_ms / 1e6 if copy_ms else None,
+                     "compute_busy_ms": _busy([(e["ts"], e["ts"] + e["dur"]) for e in compute]) / 1e3,
+                     "section_ms": {k: round(v, 3) for k, v in host.items()}})
+    return rows
+
+
+def print_timeline(rows: list[dict]) -> None:
+    decode = [r for r in rows if r["pass"] == "decode"][1:]  # the first decode step warms its shapes
+    for name, group in (("prefill", [r for r in rows if r["pass"] == "prefill"]), ("decode (mean)", decode)):
+        if not group:
+            continue
+        mean = {k: sum(r[k] or 0 for r in group) / len(group) for k in
+                ("host_ms", "gpu_span_ms", "copy_busy_ms", "compute_busy_ms")}
+        rate = [r["copy_gbps"] for r in group if r["copy_gbps"]]
+        sections = defaultdict(float)
+        for r in group:
+            for k, v in r["section_ms"].items():
+                sections[k] += v / len(group)
+        print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
+              + (f", copy GB/s {sum(rate) / len(rate):.1f}" if rate else ""))
+        print("  host sections ms: " + ", ".join(f"{k} {v:.2f}" for k, v in sections.items()))
 
 
 def main() -> None:
@@ -26,11 +119,13 @@ def main() -> None:
     ap.add_argument("--predictor", default="none")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--gpu-expert-budget", type=parse_bytes)
     ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--trace", help="also write a Chrome trace (CPU and CUDA activity) to this file")
+    ap.add_argument("--trace", help="also write the Chrome trace (CPU and CUDA activity) to this file (.gz: gzipped)")
     ap.add_argument("--stack", action="store_true", help="record Python frames too (the trace shows engine functions)")
     a = ap.parse_args()
-    s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens)
+    s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens,
+                      gpu_expert_budget=a.gpu_expert_budget)
     device = resolve_device("auto")
     model = build_model(s, device)
     policy = get_policy(a.policy)
@@ -38,13 +133,22 @@ def main() -> None:
     model.to(device)
     ids = torch.randint(model.get_input_embeddings().num_embeddings, (a.batch_size, s.prompt_len)).to(device)
     run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.trace and device.type == "cuda" else [])
-    with profile(activities=activities, with_stack=a.stack) as prof:
+    cuda = device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=a.stack) as prof, named_passes(model):
         run = run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)
     print({k: run.get(k) for k in ("ttft_s", "tpot_ms", "stall_ms", "predictor_ms")})
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
-    if a.trace:
-        prof.export_chrome_trace(a.trace)
+    if cuda or a.trace:
+        with tempfile.TemporaryDirectory() as tmp:
+            prof.export_chrome_trace(f"{tmp}/trace.json")
+            with open(f"{tmp}/trace.json") as f:
+                trace = json.load(f)
+        if a.trace:
+            with (gzip.open if a.trace.endswith(".gz") else open)(a.trace, "wt") as f:
+                json.dump(trace, f)
+        if cuda:
+            print_timeline(timeline(trace))
 
 
 if __name__ == "__main__":
