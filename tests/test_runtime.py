@@ -19,6 +19,7 @@ from duoserve.runtime import (
     timed_generate,
 )
 from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.experts import Routing
 from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
 from duoserve.runtime.streams import Streams
@@ -221,6 +222,16 @@ def test_hand_built_routing_hits_misses_and_lru_eviction(embedded):
         for name in list(experts._parameters):
             del experts._parameters[name]
         put_experts(layers, stores, "cpu")
+
+
+def test_routing_rows_sort_pairs_by_cache_slot_with_grouped_gemm_offsets():
+    routing = Routing(torch.tensor([[3, 0], [0, 5], [5, 3]]), num_experts=6)  # T=3, k=2
+    assert routing.needed == [0, 3, 5]
+    rows = routing.rows({5: 0, 0: 3}, num_slots=4)  # expert 5 in slot 0, expert 0 in slot 3; expert 3 not asked
+    n = 4  # pairs of experts 5 and 0
+    token, flat, slot, offsets = rows[:n], rows[n:2 * n], rows[2 * n:3 * n], rows[3 * n:]
+    assert token.tolist() == [1, 2, 0, 1] and flat.tolist() == [3, 4, 1, 2]  # slot 0's pairs first, then slot 3's
+    assert slot.tolist() == [0, 0, 3, 3] and offsets.tolist() == [2, 2, 2, 4] and rows.dtype == "int32"
 
 
 def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():

@@ -75,9 +75,10 @@ class ExpertCache:
         return [s for _, s in heapq.nsmallest(count, ranked)]
 
     def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str, keep: set[Key], stream=None,
-              wanted: list[float] | None = None) -> list[int]:
+              wanted: list[float] | None = None, seal: bool = True) -> list[int]:
         """Copy ``experts`` of ``layer`` (none of them cached) from ``store`` into victim slots (never one holding a
-        key in ``keep``) on ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's score."""
+        key in ``keep``) on ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's score.
+        ``seal=False``: the caller queues more work on ``stream`` first, then calls ``seal``."""
         stream = stream or self.streams.copy
         slots, waited = self.victims(len(experts), keep), set()
         self.clock += 1
@@ -91,11 +92,16 @@ class ExpertCache:
                 self.stats.bytes[phase] += store.copy_into(e, self.buffer[s])
                 self.key[s], self.slot_of[(layer, e)] = (layer, e), s
                 self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-        ready = self.streams.record(stream)
+        self.stats.copies[phase] += len(slots)
+        if seal:
+            self.seal(slots, stream)
+        return slots
+
+    def seal(self, slots: list[int], stream=None) -> None:
+        """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and more) has run."""
+        ready = self.streams.record(stream or self.streams.copy)
         for s in slots:
             self.ready[s] = ready
-        self.stats.copies[phase] += len(slots)
-        return slots
 
     def release(self, slots: list[int]) -> None:
         """Mark ``slots`` as read by the compute queued so far (their next copy waits for it)."""

@@ -9,8 +9,9 @@ from decode; leaving the ``with`` restores the model's own implementation and re
 MoE layer's call then runs, for the experts its router chose:
 
   1. one CPU read of the routing (which experts, how many tokens each), grouped by expert;
-  2. the experts already in the device cache, in one call of the model's own experts kernel
-     (grouped_mm, batched_mm or eager) over the cache slots;
+  2. the experts already in the device cache, in one grouped call over the cache slots, its pairs
+     sorted on the host and uploaded in one copy (``experts.py``: a few launches where the model's
+     own grouped_mm function, which must find the grouping on the device, takes some 40);
   3. every other expert as soon as its copy lands, in groups of half the cache: fetched on the copy
      stream, the next group's copies queued before this group's compute (policies with ``overlap``),
      or copied on the compute stream and waited for (on-demand);
@@ -30,6 +31,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.experts import Routing, add_slot_experts
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
 from duoserve.runtime.store import HostExperts
@@ -46,32 +48,6 @@ class _SlotView:
     def __getattr__(self, name: str):
         weights = self.__dict__["_weights"]
         return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
-
-
-class _Routing:
-    """A layer call's routing, read to the host once: which experts, and its (token, expert) pairs by expert."""
-
-    def __init__(self, idx: torch.Tensor, num_experts: int):
-        self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
-        self.counts = np.bincount(self.ids.reshape(-1), minlength=num_experts)  # E: pairs of each expert
-        self.needed: list[int] = np.flatnonzero(self.counts).tolist()
-        self._order: np.ndarray | None = None  # T*k flat positions in expert order, sorted on first use
-        self._starts: np.ndarray | None = None  # E + 1: expert e owns _order[starts[e]:starts[e + 1]]
-
-    def slot_ids(self, slots: dict[int, int]) -> np.ndarray:
-        """T x k: the routing with each expert replaced by its cache slot (every routed expert is in ``slots``)."""
-        table = np.zeros(len(self.counts), dtype=np.int64)  # E
-        table[list(slots)] = list(slots.values())
-        return table[self.ids]
-
-    def pairs(self, slots: dict[int, int]) -> np.ndarray:
-        """3 x n: token, cache slot and flat routing position (token * k + j) of the pairs of ``slots``' experts."""
-        if self._order is None:  # sorted only when some expert is not resident
-            self._order = np.argsort(self.ids.reshape(-1), kind="stable")  # T*k
-            self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1
-        flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in slots])  # n
-        slot = np.repeat(np.fromiter(slots.values(), dtype=np.int64, count=len(slots)), self.counts[list(slots)])  # n
-        return np.stack([flat // self.ids.shape[1], slot, flat])
 
 
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
@@ -204,23 +180,19 @@ class OffloadEngine(ExpertsPlugin):
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         with self.cpu("wait for routing"):
-            routing = _Routing(idx, self.E)
+            routing = Routing(idx, self.E)
         targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
                                        and self._history is not None and len(self._history) == len(idx)) else []
         routed = self.streams.record() if targets else None  # the predictor stream starts from the routing
         hits = self._look_up(l, routing.needed)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
         if hits:
+            with self.cpu("queue compute"):
+                rows = self._upload(routing.rows(hits, self.cache.slots))  # before this call's copies: not behind them
             with self.stall.span():
                 self._wait_ready(hits.values())
-        with self.cpu("queue compute"):
-            if len(hits) == len(routing.needed):  # all resident (decode's aim): the model's kernel on the routing as is
-                slot_ids = self._upload(routing.slot_ids(hits))  # T x k
-                out = self._kernels[l](self._slot_views[l], hidden, slot_ids, weights)  # T x H
-                self.cache.release(list(hits.values()))
-            else:
-                out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
-                if hits:
-                    self._add_group(l, hidden, weights, routing, hits, out)
+            with self.cpu("queue compute"):
+                self._add_group(l, hidden, weights, rows, hits, out)
         if targets:
             with self.cpu("queue predictor"):
                 scores = self._launch_predictor(l, hidden, idx, routed, targets)
@@ -260,35 +232,41 @@ class OffloadEngine(ExpertsPlugin):
         cache.stats.prefetch_used += len(self._prefetched.pop(l, set()).intersection(hits))
         return hits
 
-    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
+    def _fetch_and_compute(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
                            missing: list[int], out: torch.Tensor) -> None:
         """Fetch ``missing`` experts in groups of half the cache, each group computed as soon as it lands. With a
         copy stream, the next group's copies are queued before this group's compute, so the copy stream always
-        has work while the host queues compute (the host's time per group is close to a group's copy time)."""
+        has work while the host queues compute. A group's pair rows travel on its stream right after its experts:
+        host-to-device copies run in order, so rows uploaded on the compute stream would wait behind the next
+        group's copies, and this group's compute with them."""
         stream = self.streams.copy if self.policy.overlap else self.streams.compute
         chunk = max(1, self.cache.slots // 2)
         groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
         depth = 2 if self.policy.overlap and 2 * chunk <= self.cache.slots else 1  # groups fetched, not computed
-        queued: list[dict[int, int]] = []  # expert -> slot of each fetched group, oldest first
+        queued: list[tuple[dict[int, int], torch.Tensor]] = []  # (expert -> slot, rows) of each fetched group
         for i in range(len(groups)):
             with self.stall.span():
                 while len(queued) < depth and i + len(queued) < len(groups):
                     experts = groups[i + len(queued)]
-                    keep = {(l, e) for group in queued for e in group}  # not computed yet: not to be refilled
+                    keep = {(l, e) for group, _ in queued for e in group}  # not computed yet: not to be refilled
                     with self.cpu("queue fetches"):
-                        slots = self.cache.fetch(l, experts, self.stores[l], self.phase, keep, stream)
-                    queued.append(dict(zip(experts, slots)))
-                group = queued.pop(0)
-                self._wait_ready(group.values())
+                        slots = self.cache.fetch(l, experts, self.stores[l], self.phase, keep, stream, seal=False)
+                        group = dict(zip(experts, slots))
+                        with self.streams.on(stream):
+                            rows = self._upload(routing.rows(group, self.cache.slots))
+                        self.cache.seal(slots, stream)
+                        if stream is not self.streams.compute:  # allocated on the copy stream, read on compute
+                            rows.record_stream(self.streams.compute)
+                    queued.append((group, rows))
+                slots, rows = queued.pop(0)
+                self._wait_ready(slots.values())
             with self.cpu("queue compute"):
-                self._add_group(l, hidden, weights, routing, group, out)
+                self._add_group(l, hidden, weights, rows, slots, out)
 
-    def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: _Routing,
+    def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
                    slots: dict[int, int], out: torch.Tensor) -> None:
-        """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs to ``out``."""
-        token, slot, flat = self._upload(routing.pairs(slots))  # n each
-        res = self._kernels[l](self._slot_views[l], hidden[token], slot[:, None], weights.reshape(-1)[flat][:, None])
-        out.index_add_(0, token, res.float())  # n x H into T x H
+        """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs (``rows``) to ``out``."""
+        add_slot_experts(self._slot_views[l], hidden, weights, rows, self.cache.slots, out)
         self.cache.release(list(slots.values()))
 
     # decode prediction --------------------------------------------------------------------------

@@ -1,0 +1,64 @@
+"""Expert compute over the cache's slots, with the (token, expert) pairs grouped on the host.
+
+transformers' grouped_mm experts function cannot see the routing, so it groups the pairs on the
+device: a sort, a histogram, a cumulative sum, masks and a permutation back, some 30 launches per
+call besides the two GEMMs. The engine has read the routing to the host already (it must, to know
+what to copy), so it sorts the pairs there and uploads them with the grouped GEMMs' offsets in one
+copy (``Routing.rows``); what is left on the device is two gathers, two grouped GEMMs, the gate, the
+weighting and one scatter-add. A decode step is short of host time, not of GPU time: launches count.
+
+The GEMMs are transformers' own ``_grouped_linear`` (grouped_mm, or its fallback where grouped_mm
+cannot run), and the gate is the module's own ``_apply_gate``, so an experts class keeps its
+layout, activation, biases and post-expert norm.
+
+Shape legend: T tokens, H hidden size, S cache slots, n (token, expert) pairs of a group, I expert width.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from transformers.integrations.moe import _grouped_linear
+
+
+class Routing:
+    """A layer call's routing, read to the host once: which experts, and its (token, expert) pairs by expert."""
+
+    def __init__(self, idx: torch.Tensor, num_experts: int):
+        self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
+        self.counts = np.bincount(self.ids.reshape(-1), minlength=num_experts)  # E: pairs of each expert
+        self.needed: list[int] = np.flatnonzero(self.counts).tolist()
+        self._order = np.argsort(self.ids.reshape(-1), kind="stable")  # T*k flat positions in expert order
+        self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1: expert e owns _order[starts[e]:starts[e+1]]
+
+    def rows(self, slots: dict[int, int], num_slots: int) -> np.ndarray:
+        """int32 [token (n), flat routing position token * k + j (n), slot (n), offsets (S)]: the pairs of ``slots``'
+        experts (expert -> cache slot) sorted by slot, and the cumulative pair count of each slot."""
+        by_slot = sorted(slots.items(), key=lambda item: item[1])
+        experts = [e for e, _ in by_slot]
+        flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in experts])  # n
+        per_slot = np.zeros(num_slots, dtype=np.int64)  # S
+        per_slot[[s for _, s in by_slot]] = self.counts[experts]
+        slot = np.repeat(np.arange(num_slots), per_slot)  # n
+        return np.concatenate([flat // self.ids.shape[1], flat, slot, np.cumsum(per_slot)]).astype(np.int32)
+
+
+def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, num_slots: int,
+                     out: torch.Tensor) -> None:
+    """Add to ``out`` (T x H, fp32) the routing-weighted outputs of the pairs in ``rows`` (``Routing.rows`` on the
+    device). ``experts``: the experts module as its kernels see it, with the cache's S slots as its experts."""
+    n = (rows.numel() - num_slots) // 3
+    token, flat, slot, offsets = rows[:n], rows[n:2 * n], rows[2 * n:3 * n], rows[3 * n:]  # n, n, n, S
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    h = _grouped_linear(hidden[token], getattr(experts, up), offsets, bias=_bias(experts, up, slot),
+                        is_transposed=experts.is_transposed)  # n x 2I (gated) or n x I
+    h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)  # n x I
+    y = _grouped_linear(h, experts.down_proj, offsets, bias=_bias(experts, "down_proj", slot),
+                        is_transposed=experts.is_transposed)  # n x H
+    if getattr(experts, "has_post_expert_norm", False):  # transformers >= 5.2x
+        y = experts.post_expert_norm(y)
+    out.index_add_(0, token, (y * weights.reshape(-1)[flat].unsqueeze(-1)).float())  # n x H into T x H
+
+
+def _bias(experts, name: str, slot: torch.Tensor) -> torch.Tensor | None:
+    return getattr(experts, f"{name}_bias")[slot] if experts.has_bias else None  # n x width
