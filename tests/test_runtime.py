@@ -234,6 +234,31 @@ def test_routing_rows_sort_pairs_by_cache_slot_with_grouped_gemm_offsets():
     assert slot.tolist() == [0, 0, 3, 3] and offsets.tolist() == [2, 2, 2, 4] and rows.dtype == "int32"
 
 
+def test_prefill_lookahead_fetches_the_next_layers_first_experts_before_its_router(embedded):
+    model, stores, engine = _hand_engine(embedded, "duoserve", budget_slots=8)
+    E, k = engine.E, engine.k
+    torch.manual_seed(0)
+
+    def routing(tokens):  # distinct random experts per token
+        return torch.rand(tokens, E).argsort(dim=1)[:, :k], torch.softmax(torch.randn(tokens, k), dim=1)
+
+    def cached(layer):
+        return {e for (at, e) in engine.cache.slot_of if at == layer}
+
+    try:
+        with engine:
+            idx, weights = routing(8 * E // k)  # 8 pairs per expert: the look-ahead's threshold
+            engine.run_layer(2, torch.randn(len(idx), model.config.hidden_size), idx, weights)
+            assert cached(3) == set(range(8))  # the cache's 8 slots, lowest experts first
+            assert engine.cache.stats.prefetched == 0  # not counted as a prediction
+            idx, weights = routing(8 * E // k - 1)
+            out = engine.run_layer(3, torch.randn(len(idx), model.config.hidden_size), idx, weights)
+            assert engine.cache.stats.hits["prefill"] == len(set(idx.flatten().tolist()) & set(range(8)))
+            assert not cached(4) and out.isfinite().all()  # one pair short of the threshold: no look-ahead
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+
+
 def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
     layout = ExpertLayout.of({"w": torch.zeros(4, 2, 3)})
     store = HostExperts.pack({"w": torch.arange(24.0).view(4, 2, 3)}, pin=False)

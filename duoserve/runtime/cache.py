@@ -44,6 +44,7 @@ class ExpertCache:
         self.layout, self.streams = layout, streams
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
+        self._rows = list(self.buffer.unbind(0))  # S views of P, made once: a fetch is on the decode step's path
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
@@ -89,7 +90,7 @@ class ExpertCache:
                 if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
                     waited.add(id(self.free[s]))
                     self.streams.wait(stream, self.free[s])  # the slot's last reader has run
-                self.stats.bytes[phase] += store.copy_into(e, self.buffer[s])
+                self.stats.bytes[phase] += store.copy_into(e, self._rows[s])
                 self.key[s], self.slot_of[(layer, e)] = (layer, e), s
                 self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
         self.stats.copies[phase] += len(slots)

@@ -206,6 +206,11 @@ class OffloadEngine(ExpertsPlugin):
         elif self.policy.prefetch_layer:
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
+        elif self.policy.prefill_lookahead and self.phase == "prefill" and l + 1 < self.L and idx.numel() >= 8 * self.E:
+            # so many pairs route nearly every expert (uniform routing leaves one unused with odds e^-8), so the
+            # copy stream fills the gap while the host reaches layer l+1's router with experts it will compute first
+            with self.cpu("queue prefetch"):
+                self._prefetch(l + 1, [(e, 1.0) for e in range(min(self.cache.slots, self.E))], predicted=False)
         return out.to(hidden.dtype)
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
@@ -278,6 +283,9 @@ class OffloadEngine(ExpertsPlugin):
     def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
         event that says they have landed (the CPU reads them only after the misses are queued)."""
+        if self.predictor.on_host:  # nothing to queue: the host scores, and the history it would read is not kept
+            top = torch.stack([self.predictor.scores(self._history, t) for t in targets]).topk(self.k, dim=2)
+            return top.indices, top.values, None  # D x B x k each
         stream = self.streams.predict
         self.streams.wait(stream, routed)
         if self.streams.cuda:  # read on the predictor's stream: not to be reused by the compute stream before
@@ -290,7 +298,7 @@ class OffloadEngine(ExpertsPlugin):
                                                         if self._next_gate else None)
                                   for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
-            if top.indices.device.type == "cpu":
+            if top.indices.device.type == "cpu":  # the CPU playing the GPU
                 return top.indices, top.values, None
             shape = tuple(top.indices.shape)
             if shape not in self._host_top:  # reused: no pinned allocation per call
@@ -315,8 +323,9 @@ class OffloadEngine(ExpertsPlugin):
             ranked.append(sorted(best.items(), key=lambda item: -item[1]))
         return ranked
 
-    def _prefetch(self, layer: int, ranked: list[tuple[int, float]]) -> None:
-        """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream."""
+    def _prefetch(self, layer: int, ranked: list[tuple[int, float]], predicted: bool = True) -> None:
+        """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream.
+        ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
         cache, ranked = self.cache, ranked[:self.cache.slots]
         self._wanted.setdefault(layer, set()).update(e for e, _ in ranked)
         fetch = []
@@ -329,8 +338,9 @@ class OffloadEngine(ExpertsPlugin):
             experts = [e for e, _ in fetch]
             cache.fetch(layer, experts, self.stores[layer], self.phase, {(layer, e) for e, _ in ranked},
                         wanted=[score for _, score in fetch])
-            cache.stats.prefetched += len(experts)
-            self._prefetched.setdefault(layer, set()).update(experts)
+            if predicted:
+                cache.stats.prefetched += len(experts)
+                self._prefetched.setdefault(layer, set()).update(experts)
 
     # measurement --------------------------------------------------------------------------------
     def reset_stats(self) -> None:

@@ -14,12 +14,15 @@ class Policy:
     reuse: bool = True  # experts stay cached across layers and tokens (else each call fetches what it routes to)
     predict: bool = False  # decode: prefetch the predictor's experts for layer l+1 while layer l computes
     prefetch_layer: bool = False  # prefetch every expert of layer l+1 while layer l computes
+    prefill_lookahead: bool = False  # prefill routing >= 8 pairs per expert: layer l+1's first experts fetched early
     resident: bool = False  # no offload: every expert on the device (the upper bound)
 
 
 POLICIES = {p.name: p for p in [
-    Policy("duoserve", "prefill: each routed expert fetched once, pipelined on two streams, cached ones first; "
-                       "decode: predictor-driven prefetch of layer l+1, misses fetched at the gate", predict=True),
+    Policy("duoserve", "prefill: each routed expert fetched once, pipelined on two streams, cached ones first, "
+                       "and with >= 8 routed pairs per expert the cache's worth of layer l+1's experts fetched before "
+                       "its router runs; decode: predictor-driven prefetch of layer l+1, misses fetched at the gate",
+           predict=True, prefill_lookahead=True),
     Policy("on-demand", "fetch each routed expert at the gate and wait for it (pinned, one copy per expert)",
            overlap=False, reuse=False),
     Policy("accelerate", "as Accelerate's cpu_offload: pageable memory, one blocking copy per parameter, nothing "

@@ -75,6 +75,8 @@ class ReplayRouting:
 
 
 class LayerPredictor(Protocol):
+    on_host: bool  # scores on the host from no device input (the engine then skips the predictor stream)
+
     def scores(self, history: torch.Tensor, target: int,
                nextgate: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E (device or host)
 
@@ -86,6 +88,8 @@ class TrainedPredictor:
     On CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's
     prediction costs the host one replay instead of a launch per operation (about 30).
     """
+
+    on_host = False
 
     def __init__(self, predictor: ExpertPredictor, device: torch.device):
         self.predictor = predictor
@@ -114,7 +118,10 @@ class TrainedPredictor:
 
 class OraclePredictor:
     """Knows the routing source's choice for ``target`` and keeps each true expert with probability ``recall``,
-    replacing the others by random experts the token does not route to."""
+    replacing the others by random experts the token does not route to. It runs on the host, so the engine
+    queues nothing on the device for it (a trained predictor's device cost is its own benchmark)."""
+
+    on_host = True
 
     def __init__(self, routing: RoutingSource, num_experts: int, recall: float = 1.0, seed: int = 0):
         if not 0.0 <= recall <= 1.0:

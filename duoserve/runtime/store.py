@@ -66,6 +66,7 @@ class HostExperts:
                  modules: dict[str, torch.Tensor] | None = None):
         self.layout, self.packed, self.modules = layout, packed, modules
         self.pinned = packed is not None and packed.is_pinned()
+        self._rows = list(packed.unbind(0)) if packed is not None else []  # E views of P, made once: a fetch is hot
 
     @classmethod
     def pack(cls, params: dict[str, torch.Tensor], pin: bool) -> HostExperts:
@@ -85,7 +86,7 @@ class HostExperts:
     def copy_into(self, expert: int, slot_row: torch.Tensor) -> int:
         """Queue the copy of ``expert`` into a device slot (a P row) on the current stream; bytes moved."""
         if self.packed is not None:
-            slot_row.copy_(self.packed[expert], non_blocking=self.pinned)
+            slot_row.copy_(self._rows[expert], non_blocking=self.pinned)
         else:
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
