@@ -3,7 +3,8 @@
     python3 benchmarks/runtime_profile.py MODEL_DIR --layers 4 --policy duoserve --predictor oracle:1
 prints the profiler's table (self CPU time; waits show up as cudaStreamSynchronize / cudaEventSynchronize)
 and, on CUDA, a timeline per forward pass (prefill, then each decode step): host wall time, GPU span,
-how busy the copy and compute streams were inside it, and the engine's host sections per pass.
+how busy the copy and compute streams were inside it, where the copy stream sat idle between copies,
+and the engine's host sections per pass.
 ``--trace t.json`` also writes the Chrome trace (engine sections are named in it).
 """
 
@@ -82,6 +83,8 @@ def timeline(trace: dict) -> list[dict]:
         copies = [e for e in mine if e["args"].get("stream") == copy_stream and e.get("cat") == "gpu_memcpy"]
         compute = [e for e in mine if e["args"].get("stream") != copy_stream]
         nbytes = sum(e["args"].get("bytes", 0) for e in copies)
+        ends = sorted((e["ts"], e["ts"] + e["dur"]) for e in copies)
+        gaps = [(b[0] - a[1]) / 1e3 for a, b in zip(ends, ends[1:]) if b[0] - a[1] > 200]  # idle > 0.2 ms
         copy_ms = _busy([(e["ts"], e["ts"] + e["dur"]) for e in copies]) / 1e3
         host = defaultdict(float)
         for s in sections:
@@ -90,6 +93,7 @@ def timeline(trace: dict) -> list[dict]:
         rows.append({"pass": p["name"], "host_ms": p["dur"] / 1e3, "gpu_span_ms": (end - start) / 1e3,
                      "copy_busy_ms": copy_ms, "copy_gbps": nbytes / copy_ms / 1e6 if copy_ms else None,
                      "compute_busy_ms": _busy([(e["ts"], e["ts"] + e["dur"]) for e in compute]) / 1e3,
+                     "copy_gaps_ms": gaps,
                      "section_ms": {k: round(v, 3) for k, v in host.items()}})
     return rows
 
@@ -109,6 +113,10 @@ def print_timeline(rows: list[dict]) -> None:
         print(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in mean.items())
               + (f", copy GB/s {sum(rate) / len(rate):.1f}" if rate else ""))
         print("  host sections ms: " + ", ".join(f"{k} {v:.2f}" for k, v in sections.items()))
+        gaps = [g for r in group for g in r["copy_gaps_ms"]]
+        if gaps:
+            print(f"  copy stream idle > 0.2 ms between copies: {len(gaps) / len(group):.1f} times a pass, "
+                  f"mean {sum(gaps) / len(gaps):.2f} ms, max {max(gaps):.2f} ms")
 
 
 def main() -> None:
