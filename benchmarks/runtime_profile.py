@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import gzip
+import itertools
 import json
 import tempfile
 from collections import defaultdict
@@ -84,7 +85,7 @@ def timeline(trace: dict) -> list[dict]:
         compute = [e for e in mine if e["args"].get("stream") != copy_stream]
         nbytes = sum(e["args"].get("bytes", 0) for e in copies)
         ends = sorted((e["ts"], e["ts"] + e["dur"]) for e in copies)
-        gaps = [(b[0] - a[1]) / 1e3 for a, b in zip(ends, ends[1:]) if b[0] - a[1] > 200]  # idle > 0.2 ms
+        gaps = [(b[0] - a[1]) / 1e3 for a, b in itertools.pairwise(ends) if b[0] - a[1] > 200]  # idle > 0.2 ms
         copy_ms = _busy([(e["ts"], e["ts"] + e["dur"]) for e in copies]) / 1e3
         host = defaultdict(float)
         for s in sections:

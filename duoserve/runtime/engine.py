@@ -256,17 +256,17 @@ class OffloadEngine(ExpertsPlugin):
                     keep = {(l, e) for group, _ in queued for e in group}  # not computed yet: not to be refilled
                     with self.cpu("queue fetches"):
                         slots = self.cache.fetch(l, experts, self.stores[l], self.phase, keep, stream, seal=False)
-                        group = dict(zip(experts, slots))
+                        fetched = dict(zip(experts, slots))
                         with self.streams.on(stream):
-                            rows = self._upload(routing.rows(group, self.cache.slots))
+                            rows = self._upload(routing.rows(fetched, self.cache.slots))
                         self.cache.seal(slots, stream)
                         if stream is not self.streams.compute:  # allocated on the copy stream, read on compute
                             rows.record_stream(self.streams.compute)
-                    queued.append((group, rows))
-                slots, rows = queued.pop(0)
-                self._wait_ready(slots.values())
+                    queued.append((fetched, rows))
+                group, rows = queued.pop(0)
+                self._wait_ready(group.values())
             with self.cpu("queue compute"):
-                self._add_group(l, hidden, weights, rows, slots, out)
+                self._add_group(l, hidden, weights, rows, group, out)
 
     def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
                    slots: dict[int, int], out: torch.Tensor) -> None:
@@ -283,7 +283,7 @@ class OffloadEngine(ExpertsPlugin):
     def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
         event that says they have landed (the CPU reads them only after the misses are queued)."""
-        if self.predictor.on_host:  # nothing to queue: the host scores, and the history it would read is not kept
+        if getattr(self.predictor, "on_host", False):  # nothing to queue: the host scores; no history is kept for it
             top = torch.stack([self.predictor.scores(self._history, t) for t in targets]).topk(self.k, dim=2)
             return top.indices, top.values, None  # D x B x k each
         stream = self.streams.predict

@@ -1,8 +1,8 @@
 """Expert compute over the cache's slots, with the (token, expert) pairs grouped on the host.
 
 transformers' grouped_mm experts function cannot see the routing, so it groups the pairs on the
-device: a sort, a histogram, a cumulative sum, masks and a permutation back, some 30 launches per
-call besides the two GEMMs. The engine has read the routing to the host already (it must, to know
+device: a sort, a histogram, a cumulative sum, masks and a permutation back, about 40 launches per
+call with the two GEMMs. The engine has read the routing to the host already (it must, to know
 what to copy), so it sorts the pairs there and uploads them with the grouped GEMMs' offsets in one
 copy (``Routing.rows``); what is left on the device is two gathers, two grouped GEMMs, the gate, the
 weighting and one scatter-add. A decode step is short of host time, not of GPU time: launches count.
