@@ -5,7 +5,8 @@ prints the profiler's table (self CPU time; waits show up as cudaStreamSynchroni
 and, on CUDA, a timeline per forward pass (prefill, then each decode step): host wall time, GPU span,
 how busy the copy and compute streams were inside it, where the copy stream sat idle between copies,
 and the engine's host sections per pass.
-``--trace t.json`` also writes the Chrome trace (engine sections are named in it).
+``--trace t.json`` also writes the Chrome trace (engine sections are named in it); ``--timeline t.json``
+prints the timeline of a saved trace again, with no model and no GPU.
 """
 
 from __future__ import annotations
@@ -117,12 +118,12 @@ def print_timeline(rows: list[dict]) -> None:
         gaps = [g for r in group for g in r["copy_gaps_ms"]]
         if gaps:
             print(f"  copy stream idle > 0.2 ms between copies: {len(gaps) / len(group):.1f} times a pass, "
-                  f"mean {sum(gaps) / len(gaps):.2f} ms, max {max(gaps):.2f} ms")
+                  f"{min(gaps):.2f}-{max(gaps):.2f} ms, mean {sum(gaps) / len(gaps):.2f} ms")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("model")
+    ap.add_argument("model", nargs="?", help="model folder (not needed with --timeline)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--policy", default="duoserve")
     ap.add_argument("--predictor", default="none")
@@ -132,7 +133,14 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", help="also write the Chrome trace (CPU and CUDA activity) to this file (.gz: gzipped)")
     ap.add_argument("--stack", action="store_true", help="record Python frames too (the trace shows engine functions)")
+    ap.add_argument("--timeline", metavar="TRACE", help="only print the timeline of a trace saved by --trace")
     a = ap.parse_args()
+    if a.timeline:
+        with (gzip.open if a.timeline.endswith(".gz") else open)(a.timeline, "rt") as f:
+            print_timeline(timeline(json.load(f)))
+        return
+    if a.model is None:
+        ap.error("a model folder is needed to profile (or --timeline TRACE)")
     s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens,
                       gpu_expert_budget=a.gpu_expert_budget)
     device = resolve_device("auto")

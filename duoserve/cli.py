@@ -192,7 +192,7 @@ POLICY_HELP = f"{', '.join(POLICIES)} (duoserve-run policies says what each does
 LOOKAHEAD_HELP = ("Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. "
                   "Trained predictors need 1; oracles take any.")
 BUDGET_HELP = ("Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
-               "experts. [default: 2 x top-k experts]")
+               "experts. [default: (1 + lookahead) x top-k experts]")
 
 
 def _gb(nbytes) -> str:

@@ -152,6 +152,7 @@ class OffloadEngine(ExpertsPlugin):
                 raise ValueError("this predictor uses next-gate features, but not every MoE layer's router was found "
                                  "(a `gate` or `router` sibling of its experts module)")
             self._next_gate = [None] + [next_gate_fn(layer.router, self.k) for layer in self.layers[1:]]
+        self._host_predictor = getattr(self.predictor, "on_host", False)  # scores on the host: no predictor stream
         slots = default_capacity(policy, self.E, self.k, lookahead)
         if gpu_expert_budget is not None and policy.reuse and not policy.prefetch_layer:
             slots = gpu_expert_budget // stores[0].layout.nbytes
@@ -183,7 +184,8 @@ class OffloadEngine(ExpertsPlugin):
             routing = Routing(idx, self.E)
         targets = self._targets(l) if (self.policy.predict and self.predictor is not None and self.phase == "decode"
                                        and self._history is not None and len(self._history) == len(idx)) else []
-        routed = self.streams.record() if targets else None  # the predictor stream starts from the routing
+        # the predictor stream starts from the routing (a host-side predictor reads none of it)
+        routed = self.streams.record() if targets and not self._host_predictor else None
         hits = self._look_up(l, routing.needed)
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
         if hits:
@@ -283,7 +285,7 @@ class OffloadEngine(ExpertsPlugin):
     def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
         event that says they have landed (the CPU reads them only after the misses are queued)."""
-        if getattr(self.predictor, "on_host", False):  # nothing to queue: the host scores; no history is kept for it
+        if self._host_predictor:  # nothing to queue; no history is kept for it
             top = torch.stack([self.predictor.scores(self._history, t) for t in targets]).topk(self.k, dim=2)
             return top.indices, top.values, None  # D x B x k each
         stream = self.streams.predict
