@@ -60,6 +60,21 @@ def _busy(spans: list[tuple[float, float]]) -> float:
     return total
 
 
+def _overlaps(idle: list[tuple[float, float]], sections: list[dict]) -> dict[str, float]:
+    """What the host was doing while the copy stream sat idle: ms of the ``idle`` spans inside each engine section,
+    the rest as "outside the engine" (the model's own code: attention, norms, the router)."""
+    spent = defaultdict(float)
+    for a, b in idle:
+        inside = 0.0
+        for s in sections:
+            overlap = min(b, s["ts"] + s["dur"]) - max(a, s["ts"])
+            if overlap > 0:
+                spent[s["name"]] += overlap / 1e3
+                inside += overlap
+        spent["outside the engine"] += (b - a - inside) / 1e3
+    return dict(spent)
+
+
 def timeline(trace: dict) -> list[dict]:
     """Per forward pass: host ms, GPU span ms, copy/compute stream busy ms in it, H2D GB/s, host ms per section."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
@@ -86,7 +101,8 @@ def timeline(trace: dict) -> list[dict]:
         compute = [e for e in mine if e["args"].get("stream") != copy_stream]
         nbytes = sum(e["args"].get("bytes", 0) for e in copies)
         ends = sorted((e["ts"], e["ts"] + e["dur"]) for e in copies)
-        gaps = [(b[0] - a[1]) / 1e3 for a, b in itertools.pairwise(ends) if b[0] - a[1] > 200]  # idle > 0.2 ms
+        idle = [(a[1], b[0]) for a, b in itertools.pairwise(ends) if b[0] - a[1] > 200]  # idle > 0.2 ms
+        gaps = [(b - a) / 1e3 for a, b in idle]
         copy_ms = _busy([(e["ts"], e["ts"] + e["dur"]) for e in copies]) / 1e3
         host = defaultdict(float)
         for s in sections:
@@ -95,7 +111,7 @@ def timeline(trace: dict) -> list[dict]:
         rows.append({"pass": p["name"], "host_ms": p["dur"] / 1e3, "gpu_span_ms": (end - start) / 1e3,
                      "copy_busy_ms": copy_ms, "copy_gbps": nbytes / copy_ms / 1e6 if copy_ms else None,
                      "compute_busy_ms": _busy([(e["ts"], e["ts"] + e["dur"]) for e in compute]) / 1e3,
-                     "copy_gaps_ms": gaps,
+                     "copy_gaps_ms": gaps, "gap_host_ms": _overlaps(idle, [s for s in sections if lo <= s["ts"] <= hi]),
                      "section_ms": {k: round(v, 3) for k, v in host.items()}})
     return rows
 
@@ -119,6 +135,12 @@ def print_timeline(rows: list[dict]) -> None:
         if gaps:
             print(f"  copy stream idle > 0.2 ms between copies: {len(gaps) / len(group):.1f} times a pass, "
                   f"{min(gaps):.2f}-{max(gaps):.2f} ms, mean {sum(gaps) / len(gaps):.2f} ms")
+            doing = defaultdict(float)
+            for r in group:
+                for k, v in r.get("gap_host_ms", {}).items():
+                    doing[k] += v / len(group)
+            print("  host meanwhile, ms a pass: " + ", ".join(f"{k} {v:.2f}" for k, v in
+                                                            sorted(doing.items(), key=lambda item: -item[1])))
 
 
 def main() -> None:

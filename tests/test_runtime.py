@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -234,6 +235,32 @@ def test_routing_rows_sort_pairs_by_cache_slot_with_grouped_gemm_offsets():
     assert slot.tolist() == [0, 0, 3, 3] and offsets.tolist() == [2, 2, 2, 4] and rows.dtype == "int32"
 
 
+@pytest.mark.parametrize("num_experts", [6, 300])  # ids sorted as 8-bit and as 16-bit integers
+def test_routing_keeps_each_experts_pairs_in_token_order(num_experts):
+    ids = RandomRouting(1, num_experts, 4, seed=1).begin(500)[0]  # T=500, k=4
+    routing = Routing(ids, num_experts)
+    flat = ids.reshape(-1).numpy()
+    expected = np.argsort(flat.astype(np.int64), kind="stable")  # merge sort on int64: the reference order
+    assert routing._order.tolist() == expected.tolist()
+    assert routing.counts.tolist() == np.bincount(flat, minlength=num_experts).tolist()
+
+
+def test_random_routing_and_oracle_draws():
+    E, k = 16, 4
+    routing = RandomRouting(3, E, k, seed=5)
+    ids = routing.begin(2000)  # L x T x k
+    assert ids.shape == (3, 2000, k) and 0 <= ids.min() and ids.max() < E
+    assert all(len(set(row)) == k for row in ids.reshape(-1, k).tolist())  # distinct experts per token
+    counts = torch.bincount(ids.reshape(-1), minlength=E).float()
+    assert counts.min() > 0.8 * counts.mean()  # uniform: 1500 draws per expert, sd about 36
+    assert torch.equal(RandomRouting(3, E, k, seed=5).begin(2000), ids)  # seeded
+    oracle = OraclePredictor(routing, E, recall=0.5)
+    scores = oracle.scores(torch.zeros(0), target=2)  # T x E
+    assert scores.shape == (2000, E) and (scores.sum(1) == k).all()  # k distinct guesses per token
+    recall = scores.gather(1, routing.ids(2)).mean().item()
+    assert 0.45 < recall < 0.55
+
+
 def test_prefill_lookahead_fetches_the_next_layers_first_experts_before_its_router(embedded):
     model, stores, engine = _hand_engine(embedded, "duoserve", budget_slots=8)
     E, k = engine.E, engine.k
@@ -398,3 +425,13 @@ def test_offload_on_cuda_matches_all_resident(embedded):
         assert results["duoserve"][1]["prefetched"] > 0
     finally:
         model.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="drawing on the device needs a CUDA device")
+def test_random_routing_draws_on_cuda_and_reads_on_the_host():
+    routing = RandomRouting(2, 16, 4, seed=0, device="cuda")
+    ids = routing.begin(64)  # L x T x k
+    assert ids.is_cuda and all(len(set(row)) == 4 for row in ids.reshape(-1, 4).tolist())
+    host = routing.ids(1)
+    assert host.device.type == "cpu" and torch.equal(host, ids[1].cpu())

@@ -104,11 +104,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _routing(s: BenchSettings, L: int, E: int, k: int):
+def _routing(s: BenchSettings, L: int, E: int, k: int, device: torch.device):
     if s.routing == "router":
         return None
     if s.routing == "random":
-        return RandomRouting(L, E, k, seed=s.seed)
+        return RandomRouting(L, E, k, seed=s.seed, device=device)
     return ReplayRouting(s.routing, L, E, k)
 
 
@@ -135,7 +135,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
     device = input_ids.device
     layers = find_moe_layers(model)
     g = moe_geometry(model, layers)
-    routing = _routing(s, g.num_layers, g.num_experts, g.top_k)
+    routing = _routing(s, g.num_layers, g.num_experts, g.top_k, device)
     mask = torch.ones_like(input_ids)
     if policy.resident:
         put_experts(layers, stores[True], device)

@@ -26,9 +26,12 @@ class Routing:
 
     def __init__(self, idx: torch.Tensor, num_experts: int):
         self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
-        self.counts = np.bincount(self.ids.reshape(-1), minlength=num_experts)  # E: pairs of each expert
+        # 8- or 16-bit ids: numpy's stable sort is then a radix sort; on int64 it is a merge sort, 2 ms for a
+        # 4096-token prefill, which the copy stream would sit out at every layer boundary
+        narrow = self.ids.reshape(-1).astype(np.min_scalar_type(num_experts - 1))  # T*k
+        self.counts = np.bincount(narrow, minlength=num_experts)  # E: pairs of each expert
         self.needed: list[int] = np.flatnonzero(self.counts).tolist()
-        self._order = np.argsort(self.ids.reshape(-1), kind="stable")  # T*k flat positions in expert order
+        self._order = np.argsort(narrow, kind="stable")  # T*k flat positions in expert order
         self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1: expert e owns _order[starts[e]:starts[e+1]]
 
     def rows(self, slots: dict[int, int], num_slots: int) -> np.ndarray:
@@ -50,15 +53,16 @@ def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows:
     n = (rows.numel() - num_slots) // 3
     token, flat, slot, offsets = rows[:n], rows[n:2 * n], rows[2 * n:3 * n], rows[3 * n:]  # n, n, n, S
     up = "gate_up_proj" if experts.has_gate else "up_proj"
-    h = _grouped_linear(hidden[token], getattr(experts, up), offsets, bias=_bias(experts, up, slot),
+    # index_select takes the int32 rows as they are; indexing would convert them to int64 first (two more launches)
+    h = _grouped_linear(hidden.index_select(0, token), getattr(experts, up), offsets, bias=_bias(experts, up, slot),
                         is_transposed=experts.is_transposed)  # n x 2I (gated) or n x I
     h = experts._apply_gate(h) if experts.has_gate else experts.act_fn(h)  # n x I
     y = _grouped_linear(h, experts.down_proj, offsets, bias=_bias(experts, "down_proj", slot),
                         is_transposed=experts.is_transposed)  # n x H
     if getattr(experts, "has_post_expert_norm", False):  # transformers >= 5.2x
         y = experts.post_expert_norm(y)
-    out.index_add_(0, token, (y * weights.reshape(-1)[flat].unsqueeze(-1)).float())  # n x H into T x H
+    out.index_add_(0, token, (y * weights.reshape(-1).index_select(0, flat).unsqueeze(-1)).float())  # n x H into T x H
 
 
 def _bias(experts, name: str, slot: torch.Tensor) -> torch.Tensor | None:
-    return getattr(experts, f"{name}_bias")[slot] if experts.has_bias else None  # n x width
+    return getattr(experts, f"{name}_bias").index_select(0, slot) if experts.has_bias else None  # n x width
