@@ -3,8 +3,8 @@
     python3 benchmarks/runtime_profile.py MODEL_DIR --layers 4 --policy duoserve --predictor oracle:1
 prints the profiler's table (self CPU time; waits show up as cudaStreamSynchronize / cudaEventSynchronize)
 and, on CUDA, a timeline per forward pass (prefill, then each decode step): host wall time, GPU span,
-how busy the copy and compute streams were inside it, where the copy stream sat idle between copies,
-and the engine's host sections per pass.
+how busy the copy and compute streams were inside it, where the copy stream sat idle between copies
+and which engine section the host was in meanwhile, and the engine's host sections per pass.
 ``--trace t.json`` also writes the Chrome trace (engine sections are named in it); ``--timeline t.json``
 prints the timeline of a saved trace again, with no model and no GPU.
 """
