@@ -7,6 +7,10 @@ how busy the copy and compute streams were inside it, where the copy stream sat 
 and which engine section the host was in meanwhile, and the engine's host sections per pass.
 ``--trace t.json`` also writes the Chrome trace (engine sections are named in it); ``--timeline t.json``
 prints the timeline of a saved trace again, with no model and no GPU.
+
+``--host-split all-resident duoserve:none duoserve:oracle:1`` runs each policy[:predictor] with no profiler
+and splits a decode step's host time per layer: inside the experts call (the engine, or the model's own
+kernel) and between two layers' calls (the model's own code: attention, norms, the router).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import gzip
 import itertools
 import json
 import tempfile
+import time
 from collections import defaultdict
 from contextlib import contextmanager
 
@@ -48,6 +53,49 @@ def named_passes(model):
         yield
     finally:
         del model.forward
+
+
+@contextmanager
+def experts_host_times(layers, tokens: int):
+    """Host seconds inside each experts call and between consecutive layers' calls, of forward passes of
+    ``tokens`` tokens (decode steps): (inside, between) lists, filled while the context is open."""
+    inside, between, last = [], [], {}
+
+    def pre(l):
+        def hook(module, args):
+            if len(args[0]) == tokens:
+                now = last["enter"] = time.perf_counter()
+                if last.get("layer") == l - 1:
+                    between.append(now - last["exit"])
+        return hook
+
+    def post(l):
+        def hook(module, args, out):
+            if len(args[0]) == tokens:
+                last["exit"], last["layer"] = time.perf_counter(), l
+                inside.append(last["exit"] - last["enter"])
+        return hook
+
+    handles = [h for l, layer in enumerate(layers) for h in (layer.experts.register_forward_pre_hook(pre(l)),
+                                                             layer.experts.register_forward_hook(post(l)))]
+    try:
+        yield inside, between
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def host_split(model, stores, s: BenchSettings, ids: torch.Tensor, specs: list[str]) -> None:
+    """Print, per policy[:predictor] spec, TPOT and a decode step's host ms per layer inside and between
+    experts calls (means over the timed run)."""
+    layers = find_moe_layers(model)
+    for spec in specs:
+        name, _, predictor = spec.partition(":")
+        run_policy(model, {True: stores}, get_policy(name), predictor or "none", s, ids, s.new_tokens)  # warm
+        with experts_host_times(layers, len(ids)) as (inside, between):
+            run = run_policy(model, {True: stores}, get_policy(name), predictor or "none", s, ids, s.new_tokens)
+        print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts "
+              f"{1e3 * sum(inside) / max(len(inside), 1):.3f}, between {1e3 * sum(between) / max(len(between), 1):.3f}")
 
 
 def _busy(spans: list[tuple[float, float]]) -> float:
@@ -156,6 +204,8 @@ def main() -> None:
     ap.add_argument("--trace", help="also write the Chrome trace (CPU and CUDA activity) to this file (.gz: gzipped)")
     ap.add_argument("--stack", action="store_true", help="record Python frames too (the trace shows engine functions)")
     ap.add_argument("--timeline", metavar="TRACE", help="only print the timeline of a trace saved by --trace")
+    ap.add_argument("--host-split", nargs="+", metavar="POLICY[:PREDICTOR]",
+                    help="no profiler: split each run's decode host time per layer (see above)")
     a = ap.parse_args()
     if a.timeline:
         with (gzip.open if a.timeline.endswith(".gz") else open)(a.timeline, "rt") as f:
@@ -171,6 +221,9 @@ def main() -> None:
     stores = take_experts(find_moe_layers(model), lambda p: HostExperts.pack(p, pin=device.type == "cuda"))
     model.to(device)
     ids = torch.randint(model.get_input_embeddings().num_embeddings, (a.batch_size, s.prompt_len)).to(device)
+    if a.host_split:
+        host_split(model, stores, s, ids, a.host_split)
+        return
     run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
