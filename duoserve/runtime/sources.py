@@ -147,7 +147,7 @@ class OraclePredictor:
         self.rng = np.random.default_rng(seed)
 
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
-        # numpy, not torch: a few microseconds per decode layer, where torch's CPU ops took some 60
+        # numpy, not torch: a decode layer's guess is a few tiny arrays, where each torch CPU op costs a dispatch
         true = self.routing.ids(target).numpy()  # B x k
         B, k = true.shape
         rows = np.arange(B)[:, None]  # B x 1
