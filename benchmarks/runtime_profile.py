@@ -85,17 +85,32 @@ def experts_host_times(layers, tokens: int):
             h.remove()
 
 
+def setup(s: BenchSettings, batch_size: int, device: torch.device) -> tuple:
+    """The model of ``s`` on ``device``, its experts packed in (pinned, on CUDA) host memory as ``run_policy``
+    takes them, and a random B x prompt prompt: (model, stores, ids)."""
+    model = build_model(s, device)
+    stores = {True: take_experts(find_moe_layers(model), lambda p: HostExperts.pack(p, pin=device.type == "cuda"))}
+    model.to(device)
+    ids = torch.randint(model.get_input_embeddings().num_embeddings, (batch_size, s.prompt_len)).to(device)
+    return model, stores, ids
+
+
+def split_run(model, stores, s: BenchSettings, ids: torch.Tensor, policy: str, predictor: str = "none") -> tuple:
+    """One warm-up, then one timed run of ``policy`` under ``experts_host_times``: (run, host ms per layer inside
+    experts calls, host ms per layer between them), decode steps only."""
+    run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
+    with experts_host_times(find_moe_layers(model), len(ids)) as (inside, between):
+        run = run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
+    return run, 1e3 * sum(inside) / max(len(inside), 1), 1e3 * sum(between) / max(len(between), 1)
+
+
 def host_split(model, stores, s: BenchSettings, ids: torch.Tensor, specs: list[str]) -> None:
     """Print, per policy[:predictor] spec, TPOT and a decode step's host ms per layer inside and between
     experts calls (means over the timed run)."""
-    layers = find_moe_layers(model)
     for spec in specs:
         name, _, predictor = spec.partition(":")
-        run_policy(model, {True: stores}, get_policy(name), predictor or "none", s, ids, s.new_tokens)  # warm
-        with experts_host_times(layers, len(ids)) as (inside, between):
-            run = run_policy(model, {True: stores}, get_policy(name), predictor or "none", s, ids, s.new_tokens)
-        print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts "
-              f"{1e3 * sum(inside) / max(len(inside), 1):.3f}, between {1e3 * sum(between) / max(len(between), 1):.3f}")
+        run, inside, between = split_run(model, stores, s, ids, name, predictor or "none")
+        print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts {inside:.3f}, between {between:.3f}")
 
 
 def _busy(spans: list[tuple[float, float]]) -> float:
@@ -216,19 +231,16 @@ def main() -> None:
     s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens,
                       gpu_expert_budget=a.gpu_expert_budget)
     device = resolve_device("auto")
-    model = build_model(s, device)
-    policy = get_policy(a.policy)
-    stores = take_experts(find_moe_layers(model), lambda p: HostExperts.pack(p, pin=device.type == "cuda"))
-    model.to(device)
-    ids = torch.randint(model.get_input_embeddings().num_embeddings, (a.batch_size, s.prompt_len)).to(device)
+    model, stores, ids = setup(s, a.batch_size, device)
     if a.host_split:
         host_split(model, stores, s, ids, a.host_split)
         return
-    run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
+    policy = get_policy(a.policy)
+    run_policy(model, stores, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, with_stack=a.stack) as prof, named_passes(model):
-        run = run_policy(model, {True: stores}, policy, a.predictor, s, ids, a.new_tokens)
+        run = run_policy(model, stores, policy, a.predictor, s, ids, a.new_tokens)
     print({k: run.get(k) for k in ("ttft_s", "tpot_ms", "stall_ms", "predictor_ms")})
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     if cuda or a.trace:

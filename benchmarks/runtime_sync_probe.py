@@ -18,13 +18,11 @@ from typing import ClassVar
 
 import numpy as np
 import torch
-from runtime_profile import experts_host_times
+from runtime_profile import setup, split_run
 
 import duoserve.runtime.engine as engine_module
-from duoserve.runtime.bench import BenchSettings, build_model, run_policy
+from duoserve.runtime.bench import BenchSettings
 from duoserve.runtime.experts import Routing
-from duoserve.runtime.policies import get_policy
-from duoserve.runtime.store import HostExperts, take_experts
 from duoserve.trace.hooks import find_moe_layers
 
 
@@ -47,29 +45,22 @@ class PinnedRouting(Routing):
 
 def main() -> None:
     s = BenchSettings(model=sys.argv[1], config_only=True, layers=16, routing="random", new_tokens=32)
-    device = torch.device("cuda")
-    model = build_model(s, device)
+    model, stores, ids = setup(s, 1, torch.device("cuda"))
     layers = find_moe_layers(model)
-    stores = take_experts(layers, lambda p: HostExperts.pack(p, pin=True))
-    model.to(device)
-    ids = torch.randint(1000, (1, s.prompt_len)).to(device)
 
     def run(label: str, policy: str, inject=None, gc_off: bool = False, routing=Routing) -> None:
         hooks = [layer.experts.register_forward_pre_hook(inject) for layer in layers] if inject else []
         engine_module.Routing = routing
+        if gc_off:
+            gc.disable()
         try:
-            run_policy(model, {True: stores}, get_policy(policy), "none", s, ids, s.new_tokens)  # warm
-            if gc_off:
-                gc.disable()
-            with experts_host_times(layers, 1) as (inside, between):
-                r = run_policy(model, {True: stores}, get_policy(policy), "none", s, ids, s.new_tokens)
+            r, inside, between = split_run(model, stores, s, ids, policy)
         finally:
             gc.enable()
             engine_module.Routing = Routing
             for h in hooks:
                 h.remove()
-        print(f"{label}: TPOT {r['tpot_ms']:.2f}; inside {1e3 * np.mean(inside):.3f} "
-              f"between {1e3 * np.mean(between):.3f}", flush=True)
+        print(f"{label}: TPOT {r['tpot_ms']:.2f}; inside {inside:.3f} between {between:.3f}", flush=True)
 
     def read_routing(module, args) -> None:
         if len(args[0]) == 1:

@@ -265,9 +265,10 @@ def test_prefill_lookahead_fetches_the_next_layers_first_experts_before_its_rout
     model, stores, engine = _hand_engine(embedded, "duoserve", budget_slots=8)
     E, k = engine.E, engine.k
     torch.manual_seed(0)
+    draw = RandomRouting(1, E, k, seed=0)
 
-    def routing(tokens):  # distinct random experts per token
-        return torch.rand(tokens, E).argsort(dim=1)[:, :k], torch.softmax(torch.randn(tokens, k), dim=1)
+    def routing(tokens):  # distinct random experts per token, and their weights
+        return draw.begin(tokens)[0], torch.softmax(torch.randn(tokens, k), dim=1)
 
     def cached(layer):
         return {e for (at, e) in engine.cache.slot_of if at == layer}
