@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import numpy as np
@@ -20,7 +21,7 @@ from duoserve.runtime import (
     timed_generate,
 )
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.experts import Routing
+from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
 from duoserve.runtime.streams import Streams
@@ -436,3 +437,35 @@ def test_random_routing_draws_on_cuda_and_reads_on_the_host():
     assert ids.is_cuda and all(len(set(row)) == 4 for row in ids.reshape(-1, 4).tolist())
     host = routing.ids(1)
     assert host.device.type == "cpu" and torch.equal(host, ids[1].cpu())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not graphs_supported(torch.bfloat16, torch.device("cuda")),
+                    reason="decode calls are captured in CUDA graphs only where bf16 grouped GEMMs have their own kernel "
+                           "(sm90/sm100)")
+def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
+    model = copy.deepcopy(embedded[0]).to(torch.bfloat16)
+    layers = find_moe_layers(model)
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cuda")
+    E, k = layers[0].experts.num_experts, model.config.num_experts_per_tok
+    budget = 4 * k * stores[0].layout.nbytes  # room for two layers' 2k experts: the third call finds the first's
+    engines = {eager: OffloadEngine(model, stores, policy, gpu_expert_budget=budget, eager=eager)
+               for eager in (True, False)}
+    assert engines[True]._graphs is None
+    gen = torch.Generator().manual_seed(0)
+    routings = [torch.rand(2, E, generator=gen).topk(k).indices for _ in range(3)]
+    routings.insert(2, routings[0])  # B = 2 decode calls at layers 0, 1, 0, 1; the third repeats the first: all hits
+    outputs = {True: [], False: []}
+    for step, idx in enumerate(routings):
+        hidden = torch.randn(2, model.config.hidden_size, generator=gen).to("cuda", torch.bfloat16)
+        weights = torch.rand(2, k, generator=gen).softmax(-1).to("cuda", torch.bfloat16)
+        for eager, engine in engines.items():
+            engine.phase = "decode"
+            outputs[eager].append(engine.run_layer(step % 2, hidden, idx.cuda(), weights))
+    for eager_out, graph_out in zip(outputs[True], outputs[False]):  # earlier outputs survive later replays
+        torch.testing.assert_close(graph_out, eager_out)
+    assert len(engines[False]._graphs._graphs) == 2  # one per layer, replayed for later steps
+    for engine in engines.values():
+        assert engine.cache.stats.hits["decode"] == len(routings[0].unique())
+        engine.streams.synchronize()

@@ -31,7 +31,12 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.experts import Routing, add_slot_experts
+from duoserve.runtime.experts import (
+    GraphedSlotExperts,
+    Routing,
+    add_slot_experts,
+    graphs_supported,
+)
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
 from duoserve.runtime.store import HostExperts
@@ -117,12 +122,13 @@ class OffloadEngine(ExpertsPlugin):
     ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a
     step predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor scores the next
     layer from the layers before it, so it needs d = 1; oracles take any d.
+    ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
                  predictor: ExpertPredictor | LayerPredictor | None = None, routing: RoutingSource | None = None,
                  gpu_expert_budget: int | None = None, device: torch.device | str | None = None,
-                 lookahead: int = 1):
+                 lookahead: int = 1, eager: bool = False):
         if policy.resident:
             raise ValueError("the all-resident policy runs the model as it is, with no engine")
         super().__init__(model, routing)
@@ -161,6 +167,8 @@ class OffloadEngine(ExpertsPlugin):
                                  f"{stores[0].layout.nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
         self.cache = ExpertCache(stores[0].layout, min(slots, self.L * self.E), self.streams)
         self._slot_views = [_SlotView(layer.experts, self.cache.views, self.cache.slots) for layer in self.layers]
+        self._graphs = GraphedSlotExperts(self.cache.slots, self.device) \
+            if not eager and graphs_supported(stores[0].layout.dtype, self.device) else None
         self.stall, self.predict_time, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
         self._history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._wanted: dict[int, set[int]] = {}  # layer -> experts given a prefetch score for it
@@ -187,18 +195,27 @@ class OffloadEngine(ExpertsPlugin):
         # the predictor stream starts from the routing (a host-side predictor reads none of it)
         routed = self.streams.record() if targets and not self._host_predictor else None
         hits = self._look_up(l, routing.needed)
-        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
-        if hits:
-            with self.cpu("queue compute"):
-                rows = self._upload(routing.rows(hits, self.cache.slots))  # before this call's copies: not behind them
-            with self.stall.span():
-                self._wait_ready(hits.values())
-            with self.cpu("queue compute"):
-                self._add_group(l, hidden, weights, rows, hits, out)
-        if targets:
-            with self.cpu("queue predictor"):
-                scores = self._launch_predictor(l, hidden, idx, routed, targets)
-        self._fetch_and_compute(l, hidden, weights, routing, [e for e in routing.needed if e not in hits], out)
+        missing = [e for e in routing.needed if e not in hits]
+        if self.phase == "decode" and len(routing.needed) <= self.cache.slots:
+            # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
+            with self.cpu("queue fetches"):
+                keep = {(l, e) for e in routing.needed}
+                slots = hits | dict(zip(missing, self.cache.fetch(l, missing, self.stores[l], self.phase, keep,
+                                                                  self._fetch_stream) if missing else []))
+            scores = self._queue_predictor(l, hidden, idx, routed, targets)
+            out = self._compute_all(l, hidden, weights, routing, slots)
+        else:
+            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
+            if hits:
+                with self.cpu("queue compute"):
+                    rows = self._upload(routing.rows(hits, self.cache.slots))  # before this call's copies
+                with self.stall.span():
+                    self._wait_ready(hits.values())
+                with self.cpu("queue compute"):
+                    self._add_group(l, hidden, weights, rows, hits, out)
+            scores = self._queue_predictor(l, hidden, idx, routed, targets)
+            self._fetch_and_compute(l, hidden, weights, routing, missing, out)
+            out = out.to(hidden.dtype)
         if targets:
             with self.cpu("wait for predictor"):
                 ranked = self._rank(scores)
@@ -213,7 +230,7 @@ class OffloadEngine(ExpertsPlugin):
             # copy stream fills the gap while the host reaches layer l+1's router with experts it will compute first
             with self.cpu("queue prefetch"):
                 self._prefetch(l + 1, [(e, 1.0) for e in range(min(self.cache.slots, self.E))], predicted=False)
-        return out.to(hidden.dtype)
+        return out
 
     def _upload(self, array: np.ndarray) -> torch.Tensor:
         """A host index array on the device, queued on the current stream without blocking the host."""
@@ -246,7 +263,7 @@ class OffloadEngine(ExpertsPlugin):
         has work while the host queues compute. A group's pair rows travel on its stream right after its experts:
         host-to-device copies run in order, so rows uploaded on the compute stream would wait behind the next
         group's copies, and this group's compute with them."""
-        stream = self.streams.copy if self.policy.overlap else self.streams.compute
+        stream = self._fetch_stream
         chunk = max(1, self.cache.slots // 2)
         groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
         depth = 2 if self.policy.overlap and 2 * chunk <= self.cache.slots else 1  # groups fetched, not computed
@@ -270,6 +287,28 @@ class OffloadEngine(ExpertsPlugin):
             with self.cpu("queue compute"):
                 self._add_group(l, hidden, weights, rows, group, out)
 
+    @property
+    def _fetch_stream(self):
+        return self.streams.copy if self.policy.overlap else self.streams.compute
+
+    def _compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                     slots: dict[int, int]) -> torch.Tensor:
+        """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot): one group,
+        replayed from a CUDA graph where they run. The pair rows are queued before the wait for the copies."""
+        with self.cpu("queue compute"):
+            rows = routing.rows(slots, self.cache.slots)
+            inputs = self._graphs.load(hidden, weights, rows) if self._graphs else self._upload(rows)
+        with self.stall.span():
+            self._wait_ready(slots.values())
+        with self.cpu("queue compute"):
+            if self._graphs:
+                out = self._graphs.run(l, self._slot_views[l], inputs)
+                self.cache.release(list(slots.values()))
+                return out
+            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
+            self._add_group(l, hidden, weights, inputs, slots, out)
+            return out.to(hidden.dtype)
+
     def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
                    slots: dict[int, int], out: torch.Tensor) -> None:
         """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs (``rows``) to ``out``."""
@@ -281,6 +320,12 @@ class OffloadEngine(ExpertsPlugin):
         """Layers to predict at layer ``l``: l + d, and at a step's first layer every layer up to d."""
         first = 1 if l == 0 else l + self.lookahead
         return list(range(first, min(l + self.lookahead, self.L - 1) + 1))
+
+    def _queue_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]):
+        if not targets:
+            return None
+        with self.cpu("queue predictor"):
+            return self._launch_predictor(l, hidden, idx, routed, targets)
 
     def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the

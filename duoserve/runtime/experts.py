@@ -11,6 +11,12 @@ The GEMMs are transformers' own ``_grouped_linear`` (grouped_mm, or its fallback
 cannot run), and the gate is the module's own ``_apply_gate``, so an experts class keeps its
 layout, activation, biases and post-expert norm.
 
+A decode call computes all of its T*k pairs in one group, so its shapes repeat from step to step; on a
+GPU where the grouped GEMM runs without reading the offsets on the host (bf16 on sm90/sm100, where
+torch's grouped_mm has its own kernel), ``GraphedSlotExperts`` captures that group once per (layer,
+T) as a CUDA graph and replays it: one launch where the group takes some 15, host time a decode step
+is short of.
+
 Shape legend: T tokens, H hidden size, S cache slots, n (token, expert) pairs of a group, I expert width.
 """
 
@@ -66,3 +72,64 @@ def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows:
 
 def _bias(experts, name: str, slot: torch.Tensor) -> torch.Tensor | None:
     return getattr(experts, f"{name}_bias").index_select(0, slot) if experts.has_bias else None  # n x width
+
+
+def graphs_supported(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``add_slot_experts`` can be captured in a CUDA graph: torch's grouped GEMM has a kernel of its own
+    only for bf16 on sm90/sm100; elsewhere it falls back to a loop that reads the offsets on the host."""
+    return device.type == "cuda" and dtype == torch.bfloat16 and torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+class GraphedSlotExperts:
+    """``add_slot_experts`` over every pair of a call, replayed from a CUDA graph per (layer, input shapes).
+
+    Inputs are copied into static buffers shared by all graphs (replays run one after another on one stream);
+    the pair rows go through a reused pinned buffer. Each graph zeroes its own fp32 sum and casts it back, and
+    the caller gets a copy of its output, which the next replay of that graph overwrites.
+    """
+
+    def __init__(self, num_slots: int, device: torch.device):
+        self.num_slots, self.device = num_slots, device
+        self.pool = torch.cuda.graph_pool_handle()  # one memory pool: the graphs never run at the same time
+        self._inputs: dict[tuple, tuple] = {}  # shapes -> (hidden, weights, rows on device, rows pinned, event)
+        self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # (layer, shapes) -> (graph, out)
+
+    def load(self, hidden: torch.Tensor, weights: torch.Tensor, rows: np.ndarray) -> tuple:
+        """Queue the copies of a call's inputs into the static buffers of their shapes (on the current stream)."""
+        key = (tuple(hidden.shape), hidden.dtype, tuple(weights.shape), weights.dtype, len(rows))
+        if key not in self._inputs:
+            self._inputs[key] = (torch.empty_like(hidden), torch.empty_like(weights),
+                                 torch.empty(len(rows), dtype=torch.int32, device=self.device),
+                                 torch.empty(len(rows), dtype=torch.int32, pin_memory=True), torch.cuda.Event())
+        h, w, rows_device, rows_host, uploaded = self._inputs[key]
+        uploaded.synchronize()  # the last upload from the pinned buffer has been read (long done: a layer ago)
+        rows_host.numpy()[:] = rows
+        rows_device.copy_(rows_host, non_blocking=True)
+        uploaded.record()
+        h.copy_(hidden)
+        w.copy_(weights)
+        return key
+
+    def run(self, layer: int, experts, key: tuple) -> torch.Tensor:
+        """The T x H output (in the hidden states' dtype) of the inputs ``load`` queued under ``key``."""
+        if (layer, key) not in self._graphs:
+            self._graphs[layer, key] = self._capture(experts, *self._inputs[key][:3])
+        graph, out = self._graphs[layer, key]
+        graph.replay()
+        return out.clone()
+
+    def _capture(self, experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> tuple:
+        def call() -> torch.Tensor:
+            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
+            add_slot_experts(experts, hidden, weights, rows, self.num_slots, out)
+            return out.to(hidden.dtype)
+
+        warm = torch.cuda.Stream(self.device)  # lazy initialisation (cuBLAS handles, ...) stays out of the graph
+        warm.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(warm):
+            call()
+        torch.cuda.current_stream(self.device).wait_stream(warm)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = call()
+        return graph, out
