@@ -8,9 +8,10 @@ and which engine section the host was in meanwhile, and the engine's host sectio
 ``--trace t.json`` also writes the Chrome trace (engine sections are named in it); ``--timeline t.json``
 prints the timeline of a saved trace again, with no model and no GPU.
 
-``--host-split all-resident duoserve:none duoserve:oracle:1`` runs each policy[:predictor] with no profiler
-and splits a decode step's host time per layer: inside the experts call (the engine, or the model's own
-kernel) and between two layers' calls (the model's own code: attention, norms, the router).
+``--host-split all-resident duoserve:none duoserve:oracle:1`` runs each policy[:predictor][+eager] with no
+profiler and splits a decode step's host time per layer: inside the experts call (the engine, or the model's
+own kernel) and between two layers' calls (the model's own code: attention, norms, the router). ``+eager``:
+no CUDA graph replays. Each line also gives the host's pace just before the run (microseconds per small op).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
@@ -96,8 +98,8 @@ def setup(s: BenchSettings, batch_size: int, device: torch.device) -> tuple:
 
 
 def split_run(model, stores, s: BenchSettings, ids: torch.Tensor, policy: str, predictor: str = "none") -> tuple:
-    """One warm-up, then one timed run of ``policy`` under ``experts_host_times``: (run, host ms per layer inside
-    experts calls, host ms per layer between them), decode steps only."""
+    """One warm-up, then one timed run of ``policy`` (settings ``s``) under ``experts_host_times``: (run, host ms
+    per layer inside experts calls, host ms per layer between them), decode steps only."""
     run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
     with experts_host_times(find_moe_layers(model), len(ids)) as (inside, between):
         run = run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
@@ -105,12 +107,14 @@ def split_run(model, stores, s: BenchSettings, ids: torch.Tensor, policy: str, p
 
 
 def host_split(model, stores, s: BenchSettings, ids: torch.Tensor, specs: list[str]) -> None:
-    """Print, per policy[:predictor] spec, TPOT and a decode step's host ms per layer inside and between
+    """Print, per policy[:predictor][+eager] spec, TPOT and a decode step's host ms per layer inside and between
     experts calls (means over the timed run)."""
     for spec in specs:
-        name, _, predictor = spec.partition(":")
-        run, inside, between = split_run(model, stores, s, ids, name, predictor or "none")
-        print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts {inside:.3f}, between {between:.3f}")
+        name, _, predictor = spec.removesuffix("+eager").partition(":")
+        run, inside, between = split_run(model, stores, replace(s, eager=spec.endswith("+eager")), ids, name,
+                                         predictor or "none")
+        print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts {inside:.3f}, between {between:.3f}"
+              f"; host {run['host_op_us']:.1f} us/op")
 
 
 def _busy(spans: list[tuple[float, float]]) -> float:

@@ -411,6 +411,7 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
         assert r["prefill_bound_s"] == pytest.approx(max(r["bytes_h2d"]["prefill"] / (gbps * 1e9), resident["ttft_s"]))
     L = saved["geometry"]["moe_layers"]
     assert all(r["per_moe_layer"]["tpot_ms"] * L == pytest.approx(r["tpot_ms"]) for r in runs)
+    assert all(r["host_op_us"] > 0 for r in runs) and saved["eager"] is False  # the host's pace, next to each run
 
 
 @pytest.mark.gpu

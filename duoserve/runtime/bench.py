@@ -100,6 +100,18 @@ def copy_bandwidth(device: torch.device, nbytes: int, trials: int = 3) -> dict[s
     return result
 
 
+def host_op_us(device: torch.device, ops: int = 500) -> float:
+    """Host microseconds per small tensor op (dispatch and launch) right now: the unit a host-bound decode step is
+    made of. On shared machines it drifts between runs; each run records it next to its timings."""
+    x = torch.zeros(1, device=device)
+    _sync(device)
+    start = time.perf_counter()
+    for _ in range(ops):
+        x.add_(1)
+    _sync(device)
+    return (time.perf_counter() - start) / ops * 1e6
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -151,6 +163,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
             if isinstance(plugin, OffloadEngine):
                 plugin.reset_stats()
             gc.collect()
+            op_us = host_op_us(device)
             _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True)
             counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
     finally:
@@ -160,7 +173,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"policy": policy.name, "predictor": predictor if policy.predict else None,
-            "batch_size": len(input_ids), **timing, **counters}
+            "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
 
 
 def _peers(a: dict, b: dict) -> bool:
