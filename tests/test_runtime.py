@@ -468,5 +468,6 @@ def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
         torch.testing.assert_close(graph_out, eager_out)
     assert len(engines[False]._graphs._graphs) == 2  # one per layer, replayed for later steps
     for engine in engines.values():
-        assert engine.cache.stats.hits["decode"] == len(routings[0].unique())
+        experts = [set(idx.flatten().tolist()) for idx in routings]
+        assert engine.cache.stats.hits["decode"] == len(experts[0]) + len(experts[1] & experts[3])
         engine.streams.synchronize()
