@@ -15,6 +15,7 @@ from duoserve.cli import run_app
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime import (
     POLICIES,
+    ExpertsPlugin,
     OffloadEngine,
     offload,
     parse_bytes,
@@ -145,21 +146,25 @@ def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedde
 
 
 def _oracle_decode(embedded, recall: float, new_tokens: int, **engine_args) -> tuple[dict, OffloadEngine, tuple]:
-    """Generate one prompt under duoserve with an oracle on random routing; stats, engine and (L, E, k)."""
+    """Generate one prompt under duoserve with an oracle on random routing; stats, engine and (L, E, k). The tokens
+    must equal the all-resident model's on the same routing (the oracle's copies never evict an expert in use)."""
     model, tokenizer = embedded
     layers = find_moe_layers(model)
     L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    batch = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with ExpertsPlugin(model, RandomRouting(L, E, k, seed=3)):
+        reference = timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)[0]
     policy = POLICIES["duoserve"]
     stores = offload(model, policy, "cpu")
     routing = RandomRouting(L, E, k, seed=3)
     try:
         with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall), routing=routing,
                            **engine_args) as engine:
-            batch = tokenizer(PROMPTS[:1], return_tensors="pt")
-            timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)
+            tokens = timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)[0]
             stats = engine.stats()
     finally:
         put_experts(layers, stores, "cpu")
+    assert torch.equal(tokens, reference)
     return stats, engine, (L, E, k)
 
 

@@ -20,6 +20,11 @@ MoE layer's call then runs, for the experts its router chose:
      layer's input) while 2-3 run, and its top experts are copied into the cache right away, so
      layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
      miss is fetched at once. Batches use the union of their tokens' experts.
+
+A decode call whose experts all fit in the cache (B=1 always) runs 2-3 as one group instead: its
+misses are fetched, then every pair is computed in one call, replayed from a CUDA graph where one
+can be captured (``experts.py``). A predictor that scores on the host (the benchmarks' oracle) has
+its copies queued before that call, behind this layer's misses: at B=1 the copies bound a step.
 """
 
 from __future__ import annotations
@@ -196,6 +201,7 @@ class OffloadEngine(ExpertsPlugin):
         routed = self.streams.record() if targets and not self._host_predictor else None
         hits = self._look_up(l, routing.needed)
         missing = [e for e in routing.needed if e not in hits]
+        prefetched = False  # the predicted experts' copies are queued
         if self.phase == "decode" and len(routing.needed) <= self.cache.slots:
             # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
             with self.cpu("queue fetches"):
@@ -203,6 +209,11 @@ class OffloadEngine(ExpertsPlugin):
                 slots = hits | dict(zip(missing, self.cache.fetch(l, missing, self.stores[l], self.phase, keep,
                                                                   self._fetch_stream) if missing else []))
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
+            if targets and self._host_predictor:
+                # its scores are on the host already: layer l+1's copies are queued before this layer's compute, as at
+                # B=1 the copies bound a step; this layer's experts are not theirs to evict
+                self._prefetch_predicted(targets, scores, busy=keep)
+                prefetched = True
             out = self._compute_all(l, hidden, weights, routing, slots)
         else:
             out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
@@ -216,12 +227,8 @@ class OffloadEngine(ExpertsPlugin):
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
             self._fetch_and_compute(l, hidden, weights, routing, missing, out)
             out = out.to(hidden.dtype)
-        if targets:
-            with self.cpu("wait for predictor"):
-                ranked = self._rank(scores)
-            with self.cpu("queue prefetch"):
-                for target, choice in zip(targets, ranked):  # nearest layer first
-                    self._prefetch(target, choice)
+        if targets and not prefetched:  # a device predictor's scores: read once this layer's work is queued
+            self._prefetch_predicted(targets, scores)
         elif self.policy.prefetch_layer:
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
@@ -370,10 +377,20 @@ class OffloadEngine(ExpertsPlugin):
             ranked.append(sorted(best.items(), key=lambda item: -item[1]))
         return ranked
 
-    def _prefetch(self, layer: int, ranked: list[tuple[int, float]], predicted: bool = True) -> None:
-        """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds) on the copy stream.
-        ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
-        cache, ranked = self.cache, ranked[:self.cache.slots]
+    def _prefetch_predicted(self, targets: list[int], scores, busy: frozenset | set = frozenset()) -> None:
+        """Prefetch each target layer's predicted experts (the predictor's ``scores``), nearest layer first."""
+        with self.cpu("wait for predictor"):
+            ranked = self._rank(scores)
+        with self.cpu("queue prefetch"):
+            for target, choice in zip(targets, ranked):
+                self._prefetch(target, choice, busy=busy)
+
+    def _prefetch(self, layer: int, ranked: list[tuple[int, float]], predicted: bool = True,
+                  busy: frozenset | set = frozenset()) -> None:
+        """Copy the best-ranked experts of ``layer`` into the cache (as many as it holds besides the ``busy`` keys,
+        which stay) on the copy stream. ``predicted``: counted in the prefetch statistics (the prefill look-ahead
+        is not a prediction)."""
+        cache, ranked = self.cache, ranked[:self.cache.slots - len(busy)]
         self._wanted.setdefault(layer, set()).update(e for e, _ in ranked)
         fetch = []
         for e, score in ranked:
@@ -383,7 +400,7 @@ class OffloadEngine(ExpertsPlugin):
                 cache.wanted[s] = max(cache.wanted[s], score)
         if fetch:
             experts = [e for e, _ in fetch]
-            cache.fetch(layer, experts, self.stores[layer], self.phase, {(layer, e) for e, _ in ranked},
+            cache.fetch(layer, experts, self.stores[layer], self.phase, {(layer, e) for e, _ in ranked} | busy,
                         wanted=[score for _, score in fetch])
             if predicted:
                 cache.stats.prefetched += len(experts)
