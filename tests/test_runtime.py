@@ -24,7 +24,7 @@ from duoserve.runtime import (
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
-from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
+from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 from duoserve.trace.collect import load_model
 from duoserve.trace.hooks import find_moe_layers
@@ -179,6 +179,18 @@ def test_oracle_prefetch_hits_exactly_what_it_knows(embedded, recall):
     hits = steps * (L - 1) * k if recall == 1.0 else 0
     assert stats["prefetched"] == steps * (L - 1) * k
     assert stats["copies"]["decode"] == (steps * L * k - hits) + stats["prefetched"]  # misses are fetched at once
+
+
+def test_oracle_prefetch_into_a_cache_of_k_slots_refills_the_computed_layers_slots(embedded):
+    # no room beside the computing layer's k experts: the copies for layer l+1 wait until layer l's compute is queued
+    k = embedded[0].config.num_experts_per_tok
+    stats, engine, (L, _, _) = _oracle_decode(embedded, 1.0, new_tokens=6, gpu_expert_budget=k * _expert_bytes(embedded))
+    assert engine.cache.slots == k
+    assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
+
+
+def _expert_bytes(embedded) -> int:
+    return ExpertLayout.of(expert_params(find_moe_layers(embedded[0])[0].experts)).nbytes
 
 
 def test_deeper_lookahead_predicts_further_ahead_with_the_same_hits(embedded):

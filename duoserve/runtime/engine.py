@@ -24,7 +24,8 @@ MoE layer's call then runs, for the experts its router chose:
 A decode call whose experts all fit in the cache (B=1 always) runs 2-3 as one group instead: its
 misses are fetched, then every pair is computed in one call, replayed from a CUDA graph where one
 can be captured (``experts.py``). A predictor that scores on the host (the benchmarks' oracle) has
-its copies queued before that call, behind this layer's misses: at B=1 the copies bound a step.
+its copies queued before that call, behind this layer's misses, where the cache has room for them
+beside this layer's experts: at B=1 the copies bound a step.
 """
 
 from __future__ import annotations
@@ -201,7 +202,7 @@ class OffloadEngine(ExpertsPlugin):
         routed = self.streams.record() if targets and not self._host_predictor else None
         hits = self._look_up(l, routing.needed)
         missing = [e for e in routing.needed if e not in hits]
-        prefetched = False  # the predicted experts' copies are queued
+        ranked, prefetched = None, False  # the predicted experts, best first; their copies are queued
         if self.phase == "decode" and len(routing.needed) <= self.cache.slots:
             # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
             with self.cpu("queue fetches"):
@@ -209,11 +210,13 @@ class OffloadEngine(ExpertsPlugin):
                 slots = hits | dict(zip(missing, self.cache.fetch(l, missing, self.stores[l], self.phase, keep,
                                                                   self._fetch_stream) if missing else []))
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
-            if targets and self._host_predictor:
-                # its scores are on the host already: layer l+1's copies are queued before this layer's compute, as at
-                # B=1 the copies bound a step; this layer's experts are not theirs to evict
-                self._prefetch_predicted(targets, scores, busy=keep)
-                prefetched = True
+            if targets and self._host_predictor:  # its scores are on the host already
+                ranked = self._ranked(scores)
+                if sum(map(len, ranked)) <= self.cache.slots - len(keep):
+                    # room beside this layer's experts: layer l+1's copies are queued before this layer's compute,
+                    # as at B=1 the copies bound a step
+                    self._prefetch_ranked(targets, ranked, busy=keep)
+                    prefetched = True
             out = self._compute_all(l, hidden, weights, routing, slots)
         else:
             out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
@@ -227,8 +230,8 @@ class OffloadEngine(ExpertsPlugin):
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
             self._fetch_and_compute(l, hidden, weights, routing, missing, out)
             out = out.to(hidden.dtype)
-        if targets and not prefetched:  # a device predictor's scores: read once this layer's work is queued
-            self._prefetch_predicted(targets, scores)
+        if targets and not prefetched:  # after this layer's work is queued, free to refill its slots
+            self._prefetch_ranked(targets, ranked or self._ranked(scores))
         elif self.policy.prefetch_layer:
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
@@ -377,10 +380,13 @@ class OffloadEngine(ExpertsPlugin):
             ranked.append(sorted(best.items(), key=lambda item: -item[1]))
         return ranked
 
-    def _prefetch_predicted(self, targets: list[int], scores, busy: frozenset | set = frozenset()) -> None:
-        """Prefetch each target layer's predicted experts (the predictor's ``scores``), nearest layer first."""
+    def _ranked(self, scores) -> list[list[tuple[int, float]]]:
         with self.cpu("wait for predictor"):
-            ranked = self._rank(scores)
+            return self._rank(scores)
+
+    def _prefetch_ranked(self, targets: list[int], ranked: list[list[tuple[int, float]]],
+                         busy: frozenset | set = frozenset()) -> None:
+        """Prefetch each target layer's ranked experts, nearest layer first."""
         with self.cpu("queue prefetch"):
             for target, choice in zip(targets, ranked):
                 self._prefetch(target, choice, busy=busy)
