@@ -5,6 +5,8 @@
 # the machine's 128 GiB, uniform random top-k routing (random weights make routers degenerate).
 # The defaults are the committed runs' settings; one model per call fits the device's 10 minutes:
 #   MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh; MODELS=mixtral-8x7b bash benchmarks/runtime_h200.sh
+# B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
+# rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json): host-bound ratios drift between rounds.
 # python3 there has torch and transformers; PYTHONPATH holds this repo.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -31,6 +33,13 @@ args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS"
       --policy lru --policy full-layer --policy all-resident)
 for b in $BATCHES; do args+=(--batch-size "$b"); done
 bench() { python3 -c 'from duoserve.cli import run_app; run_app()' bench "$@"; }
+if [ -n "${B1_REPEATS:-}" ]; then
+    extra=(); for p in $QWEN_PREDICTORS; do extra+=(--predictor "$p"); done
+    bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
+        --new-tokens "$NEW_TOKENS" --repeats "$B1_REPEATS" --policy duoserve --policy all-resident --batch-size 1 \
+        "${extra[@]}" --out "$OUT/runtime_qwen3-30b-a3b_b1_repeats_h200.json"
+    exit
+fi
 for model in $MODELS; do
     if [ "$model" = qwen3-30b-a3b ]; then
         extra=(--layers "$QWEN_LAYERS"); for p in $QWEN_PREDICTORS; do extra+=(--predictor "$p"); done
