@@ -307,11 +307,11 @@ class OffloadEngine(ExpertsPlugin):
         replayed from a CUDA graph where they run. The pair rows are queued before the wait for the copies."""
         with self.cpu("queue compute"):
             rows = routing.rows(slots, self.cache.slots)
-            inputs = self._graphs.load(hidden, weights, rows) if self._graphs else self._upload(rows)
+            inputs = self._graphs.load(hidden, weights, rows) if self._graphs is not None else self._upload(rows)
         with self.stall.span():
             self._wait_ready(slots.values())
         with self.cpu("queue compute"):
-            if self._graphs:
+            if self._graphs is not None:
                 out = self._graphs.run(l, self._slot_views[l], inputs)
                 self.cache.release(list(slots.values()))
                 return out

@@ -14,8 +14,8 @@ layout, activation, biases and post-expert norm.
 A decode call computes all of its T*k pairs in one group, so its shapes repeat from step to step; on a
 GPU where the grouped GEMM runs without reading the offsets on the host (bf16 on sm90/sm100, where
 torch's grouped_mm has its own kernel), ``GraphedSlotExperts`` captures that group once per (layer,
-T) as a CUDA graph and replays it: one launch where the group takes some 15, host time a decode step
-is short of.
+T) as a CUDA graph and replays it: five launches (three input copies, the replay, a copy of the output)
+where the group takes some 15, in host time, which a decode step is short of.
 
 Shape legend: T tokens, H hidden size, S cache slots, n (token, expert) pairs of a group, I expert width.
 """
