@@ -42,6 +42,7 @@ from duoserve.runtime.experts import (
     Routing,
     add_slot_experts,
     graphs_supported,
+    slot_experts,
 )
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
@@ -211,7 +212,7 @@ class OffloadEngine(ExpertsPlugin):
                                                                   self._fetch_stream) if missing else []))
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
             if targets and self._host_predictor:  # its scores are on the host already
-                ranked = self._ranked(scores)
+                ranked = self._rank(scores)
                 if sum(map(len, ranked)) <= self.cache.slots - len(keep):
                     # room beside this layer's experts: layer l+1's copies are queued before this layer's compute,
                     # as at B=1 the copies bound a step
@@ -231,7 +232,7 @@ class OffloadEngine(ExpertsPlugin):
             self._fetch_and_compute(l, hidden, weights, routing, missing, out)
             out = out.to(hidden.dtype)
         if targets and not prefetched:  # after this layer's work is queued, free to refill its slots
-            self._prefetch_ranked(targets, ranked or self._ranked(scores))
+            self._prefetch_ranked(targets, ranked or self._rank(scores))
         elif self.policy.prefetch_layer:
             with self.cpu("queue prefetch"):
                 self._prefetch((l + 1) % self.L, [(e, 1.0) for e in range(self.E)])
@@ -311,13 +312,10 @@ class OffloadEngine(ExpertsPlugin):
         with self.stall.span():
             self._wait_ready(slots.values())
         with self.cpu("queue compute"):
-            if self._graphs is not None:
-                out = self._graphs.run(l, self._slot_views[l], inputs)
-                self.cache.release(list(slots.values()))
-                return out
-            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
-            self._add_group(l, hidden, weights, inputs, slots, out)
-            return out.to(hidden.dtype)
+            out = self._graphs.run(l, self._slot_views[l], inputs) if self._graphs is not None \
+                else slot_experts(self._slot_views[l], hidden, weights, inputs, self.cache.slots)  # T x H
+            self.cache.release(list(slots.values()))
+        return out
 
     def _add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
                    slots: dict[int, int], out: torch.Tensor) -> None:
@@ -370,19 +368,16 @@ class OffloadEngine(ExpertsPlugin):
     def _rank(self, scores) -> list[list[tuple[int, float]]]:
         """Per target: the predicted union of the batch's experts, best score first."""
         ids, vals, done = scores
-        if done is not None:
-            done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
-        ranked = []
-        for target_ids, target_vals in zip(ids.flatten(1).tolist(), vals.flatten(1).tolist()):  # D x B*k each
-            best: dict[int, float] = {}
-            for e, v in zip(target_ids, target_vals):
-                best[e] = max(v, best.get(e, 0.0))
-            ranked.append(sorted(best.items(), key=lambda item: -item[1]))
-        return ranked
-
-    def _ranked(self, scores) -> list[list[tuple[int, float]]]:
         with self.cpu("wait for predictor"):
-            return self._rank(scores)
+            if done is not None:
+                done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
+            ranked = []
+            for target_ids, target_vals in zip(ids.flatten(1).tolist(), vals.flatten(1).tolist()):  # D x B*k each
+                best: dict[int, float] = {}
+                for e, v in zip(target_ids, target_vals):
+                    best[e] = max(v, best.get(e, 0.0))
+                ranked.append(sorted(best.items(), key=lambda item: -item[1]))
+        return ranked
 
     def _prefetch_ranked(self, targets: list[int], ranked: list[list[tuple[int, float]]],
                          busy: frozenset | set = frozenset()) -> None:

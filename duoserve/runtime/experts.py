@@ -70,6 +70,15 @@ def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows:
     out.index_add_(0, token, (y * weights.reshape(-1).index_select(0, flat).unsqueeze(-1)).float())  # n x H into T x H
 
 
+def slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                 num_slots: int) -> torch.Tensor:
+    """The T x H output, in the hidden states' dtype, of the pairs in ``rows`` (``add_slot_experts`` into a fresh
+    fp32 sum): a call whose pairs are all in one group."""
+    out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
+    add_slot_experts(experts, hidden, weights, rows, num_slots, out)
+    return out.to(hidden.dtype)
+
+
 def _bias(experts, name: str, slot: torch.Tensor) -> torch.Tensor | None:
     return getattr(experts, f"{name}_bias").index_select(0, slot) if experts.has_bias else None  # n x width
 
@@ -84,8 +93,8 @@ class GraphedSlotExperts:
     """``add_slot_experts`` over every pair of a call, replayed from a CUDA graph per (layer, input shapes).
 
     Inputs are copied into static buffers shared by all graphs (replays run one after another on one stream);
-    the pair rows go through a reused pinned buffer. Each graph zeroes its own fp32 sum and casts it back, and
-    the caller gets a copy of its output, which the next replay of that graph overwrites.
+    the pair rows go through a reused pinned buffer. Each graph is one ``slot_experts`` call, and the caller gets
+    a copy of its output, which the next replay of that graph overwrites.
     """
 
     def __init__(self, num_slots: int, device: torch.device):
@@ -119,17 +128,12 @@ class GraphedSlotExperts:
         return out.clone()
 
     def _capture(self, experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor) -> tuple:
-        def call() -> torch.Tensor:
-            out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
-            add_slot_experts(experts, hidden, weights, rows, self.num_slots, out)
-            return out.to(hidden.dtype)
-
         warm = torch.cuda.Stream(self.device)  # lazy initialisation (cuBLAS handles, ...) stays out of the graph
         warm.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(warm):
-            call()
+            slot_experts(experts, hidden, weights, rows, self.num_slots)
         torch.cuda.current_stream(self.device).wait_stream(warm)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = call()
+            out = slot_experts(experts, hidden, weights, rows, self.num_slots)
         return graph, out
