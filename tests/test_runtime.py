@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 
 import numpy as np
@@ -145,9 +146,11 @@ def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedde
     assert stats["prefetched"] > 0 and stats["hit_rate"]["decode"] > 0
 
 
-def _oracle_decode(embedded, recall: float, new_tokens: int, **engine_args) -> tuple[dict, OffloadEngine, tuple]:
+def _oracle_decode(embedded, recall: float, new_tokens: int, on_engine=None,
+                   **engine_args) -> tuple[dict, OffloadEngine, tuple]:
     """Generate one prompt under duoserve with an oracle on random routing; stats, engine and (L, E, k). The tokens
-    must equal the all-resident model's on the same routing (the oracle's copies never evict an expert in use)."""
+    must equal the all-resident model's on the same routing (the oracle's copies never evict an expert in use).
+    ``on_engine``: called with the engine before the generation."""
     model, tokenizer = embedded
     layers = find_moe_layers(model)
     L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
@@ -160,6 +163,8 @@ def _oracle_decode(embedded, recall: float, new_tokens: int, **engine_args) -> t
     try:
         with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall), routing=routing,
                            **engine_args) as engine:
+            if on_engine:
+                on_engine(engine)
             tokens = timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)[0]
             stats = engine.stats()
     finally:
@@ -187,6 +192,31 @@ def test_oracle_prefetch_into_a_cache_of_k_slots_refills_the_computed_layers_slo
     stats, engine, (L, _, _) = _oracle_decode(embedded, 1.0, new_tokens=6, gpu_expert_budget=k * _expert_bytes(embedded))
     assert engine.cache.slots == k
     assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
+
+
+def test_oracle_prefetch_is_queued_after_the_layers_pair_rows(embedded, monkeypatch):
+    # host-to-device copies run in issue order on a GPU: rows queued behind layer l+1's copies would hold layer l
+    events = []  # ("call", layer, tokens), ("rows",), ("copy", layer), in the order the host queues them
+    rows = Routing.rows
+    monkeypatch.setattr(Routing, "rows", lambda self, *args: events.append(("rows",)) or rows(self, *args))
+
+    def copies(layer: int, copy_into):
+        return lambda *args: events.append(("copy", layer)) or copy_into(*args)
+
+    def spy(engine):
+        run_layer = engine.run_layer
+        engine.run_layer = lambda l, hidden, *args: events.append(("call", l, len(hidden))) or run_layer(l, hidden, *args)
+        for l, store in enumerate(engine.stores):
+            store.copy_into = copies(l, store.copy_into)
+
+    L = _oracle_decode(embedded, 1.0, new_tokens=4, on_engine=spy)[2][0]
+    starts = [i for i, e in enumerate(events) if e[0] == "call"] + [len(events)]
+    decode_calls = [events[a:b] for a, b in itertools.pairwise(starts) if events[a][2] == 1]
+    assert len(decode_calls) == 3 * L
+    for call in decode_calls:
+        l, rows_at = call[0][1], call.index(("rows",))
+        ahead = [i for i, e in enumerate(call) if e[0] == "copy" and e[1] != l]  # layer l+1's copies
+        assert (ahead or l == L - 1) and all(i > rows_at for i in ahead), call
 
 
 def _expert_bytes(embedded) -> int:

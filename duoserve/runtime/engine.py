@@ -24,8 +24,8 @@ MoE layer's call then runs, for the experts its router chose:
 A decode call whose experts all fit in the cache (B=1 always) runs 2-3 as one group instead: its
 misses are fetched, then every pair is computed in one call, replayed from a CUDA graph where one
 can be captured (``experts.py``). A predictor that scores on the host (the benchmarks' oracle) has
-its copies queued before that call, behind this layer's misses, where the cache has room for them
-beside this layer's experts: at B=1 the copies bound a step.
+its copies queued before that call, behind this layer's misses and pair rows, where the cache has
+room for them beside this layer's experts: at B=1 the copies bound a step.
 """
 
 from __future__ import annotations
@@ -210,6 +210,7 @@ class OffloadEngine(ExpertsPlugin):
                 keep = {(l, e) for e in routing.needed}
                 slots = hits | dict(zip(missing, self.cache.fetch(l, missing, self.stores[l], self.phase, keep,
                                                                   self._fetch_stream) if missing else []))
+            inputs = self._load_all(hidden, weights, routing, slots)  # before any prefetch: see _load_all
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
             if targets and self._host_predictor:  # its scores are on the host already
                 ranked = self._rank(scores)
@@ -218,7 +219,7 @@ class OffloadEngine(ExpertsPlugin):
                     # as at B=1 the copies bound a step
                     self._prefetch_ranked(targets, ranked, busy=keep)
                     prefetched = True
-            out = self._compute_all(l, hidden, weights, routing, slots)
+            out = self._compute_all(l, hidden, weights, inputs, slots)
         else:
             out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
             if hits:
@@ -302,13 +303,19 @@ class OffloadEngine(ExpertsPlugin):
     def _fetch_stream(self):
         return self.streams.copy if self.policy.overlap else self.streams.compute
 
-    def _compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                     slots: dict[int, int]) -> torch.Tensor:
-        """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot): one group,
-        replayed from a CUDA graph where they run. The pair rows are queued before the wait for the copies."""
+    def _load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing, slots: dict[int, int]):
+        """Queue the upload of a one-group call's pair rows (``slots``: expert -> slot), with the call's other inputs
+        where it is replayed from a CUDA graph; what ``_compute_all`` takes. Called before the call's prefetch:
+        host-to-device copies run in issue order, so rows queued behind layer l+1's copies would hold layer l's
+        compute, and the host's next routing read with it, until those copies land."""
         with self.cpu("queue compute"):
             rows = routing.rows(slots, self.cache.slots)
-            inputs = self._graphs.load(hidden, weights, rows) if self._graphs is not None else self._upload(rows)
+            return self._graphs.load(hidden, weights, rows) if self._graphs is not None else self._upload(rows)
+
+    def _compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs,
+                     slots: dict[int, int]) -> torch.Tensor:
+        """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot) and its inputs
+        loaded by ``_load_all``: one group, replayed from a CUDA graph where they run."""
         with self.stall.span():
             self._wait_ready(slots.values())
         with self.cpu("queue compute"):
