@@ -7,6 +7,9 @@
 #   MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh; MODELS=mixtral-8x7b bash benchmarks/runtime_h200.sh
 # B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
 # rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json): host-bound ratios drift between rounds.
+# PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
+# weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
+# (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json).
 # python3 there has torch and transformers; PYTHONPATH holds this repo.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -38,6 +41,23 @@ if [ -n "${B1_REPEATS:-}" ]; then
     bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
         --new-tokens "$NEW_TOKENS" --repeats "$B1_REPEATS" --policy duoserve --policy all-resident --batch-size 1 \
         "${extra[@]}" --out "$OUT/runtime_qwen3-30b-a3b_b1_repeats_h200.json"
+    exit
+fi
+if [ -n "${PREDICTOR_COST:-}" ]; then
+    predictor=$SHAPES/random-weights-predictor
+    python3 - "$predictor" "$QWEN_LAYERS" <<'PY'
+import sys
+sys.path.insert(0, "benchmarks")
+from predictor_latency import random_predictor
+from duoserve.predictor.artifact import save_predictor
+from duoserve.predictor.model import PAPER_WIDTHS
+save_predictor(random_predictor(int(sys.argv[2]), 128, 8, PAPER_WIDTHS), sys.argv[1],
+               {"note": "random weights: a trained predictor's cost in the runtime, not its accuracy"}, [])
+PY
+    bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
+        --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-2}" --policy duoserve --policy all-resident --batch-size 1 \
+        --batch-size 8 --predictor "$predictor" --predictor none --predictor oracle:1 \
+        --out "$OUT/runtime_qwen3-30b-a3b_predictor_cost_h200.json"
     exit
 fi
 for model in $MODELS; do

@@ -518,3 +518,24 @@ def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
         experts = [set(idx.flatten().tolist()) for idx in routings]
         assert engine.cache.stats.hits["decode"] == len(experts[0]) + len(experts[1] & experts[3])
         engine.streams.synchronize()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or not graphs_supported(torch.bfloat16, torch.device("cuda")),
+                    reason="decode calls are captured in CUDA graphs only where bf16 grouped GEMMs have their own kernel "
+                           "(sm90/sm100)")
+def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_do(embedded):
+    # the predictor's stream and graph run beside the replayed experts calls; the tokens must not notice
+    model, tokenizer = copy.deepcopy(embedded[0]).to(torch.bfloat16), embedded[1]
+    predictor, policy = _random_predictor(model), POLICIES["duoserve"]
+    results = {}
+    for eager in (True, False):
+        stores = offload(model, policy, "cuda")
+        try:
+            with OffloadEngine(model, stores, policy, predictor=predictor, eager=eager) as engine:
+                results[eager] = (_generate(model, tokenizer, "cuda")[0], engine.stats(), engine._graphs)
+        finally:
+            put_experts(find_moe_layers(model), stores, "cpu")
+    assert results[True][2] is None and len(results[False][2]._graphs) > 0  # replays did run
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[False][1]["prefetched"] > 0 and results[False][1]["predictor_ms"] > 0
