@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import itertools
 import json
+import statistics
 
 import numpy as np
 import pytest
@@ -459,6 +460,11 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
     L = saved["geometry"]["moe_layers"]
     assert all(r["per_moe_layer"]["tpot_ms"] * L == pytest.approx(r["tpot_ms"]) for r in runs)
     assert all(r["host_op_us"] > 0 for r in runs) and saved["eager"] is False  # the host's pace, next to each run
+    decode = [t for t in saved["targets"] if t["target"] == "decode within 1.15x of its bound"]
+    assert [t["round"] for t in decode] == [0, 1, "median"]
+    assert decode[2]["value"] == pytest.approx(statistics.median(r["tpot_vs_bound"] for r in runs[1::2]))
+    assert decode[2]["met"] == (decode[2]["value"] <= 1.15) and decode[2]["at_most"] == 1.15
+    assert "median" in result.output  # the summary table shows the median rows
 
 
 @pytest.mark.gpu
