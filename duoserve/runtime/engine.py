@@ -303,7 +303,8 @@ class OffloadEngine(ExpertsPlugin):
     def _fetch_stream(self):
         return self.streams.copy if self.policy.overlap else self.streams.compute
 
-    def _load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing, slots: dict[int, int]):
+    def _load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                  slots: dict[int, int]) -> tuple | torch.Tensor:
         """Queue the upload of a one-group call's pair rows (``slots``: expert -> slot), with the call's other inputs
         where it is replayed from a CUDA graph; what ``_compute_all`` takes. Called before the call's prefetch:
         host-to-device copies run in issue order, so rows queued behind layer l+1's copies would hold layer l's
@@ -312,7 +313,7 @@ class OffloadEngine(ExpertsPlugin):
             rows = routing.rows(slots, self.cache.slots)
             return self._graphs.load(hidden, weights, rows) if self._graphs is not None else self._upload(rows)
 
-    def _compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs,
+    def _compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs: tuple | torch.Tensor,
                      slots: dict[int, int]) -> torch.Tensor:
         """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot) and its inputs
         loaded by ``_load_all``: one group, replayed from a CUDA graph where they run."""
