@@ -192,6 +192,8 @@ POLICY_HELP = f"{', '.join(POLICIES)} (duoserve-run policies says what each does
 LOOKAHEAD_HELP = ("Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. "
                   "Trained predictors need 1; oracles take any.")
 EAGER_HELP = "Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py)."
+MIN_SCORE_HELP = ("Decode prefetch (duoserve): copy ahead only predicted experts scored at least this, 0-1 (a trained "
+                  "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.")
 BUDGET_HELP = ("Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
                "experts. [default: (1 + lookahead) x top-k experts]")
 
@@ -232,6 +234,7 @@ def generate(
     gpu_expert_budget: Annotated[Optional[str], typer.Option(help=BUDGET_HELP)] = None,
     lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 1,
     eager: Annotated[bool, typer.Option(help=EAGER_HELP)] = False,
+    prefetch_min_score: Annotated[float, typer.Option(help=MIN_SCORE_HELP, min=0.0, max=1.0)] = 0.0,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")] = "auto",
     json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
@@ -255,7 +258,7 @@ def generate(
         else:
             stores = offload(net, chosen, target)
             plugin = OffloadEngine(net, stores, chosen, scorer, gpu_expert_budget=budget, device=target,
-                                   lookahead=lookahead, eager=eager)
+                                   lookahead=lookahead, eager=eager, prefetch_min_score=prefetch_min_score)
     batch = tokenizer(prompts, return_tensors="pt", padding=True).to(target)
     with plugin:
         out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
@@ -310,6 +313,7 @@ def bench_cmd(
         help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
     lookahead: Annotated[int, typer.Option(help=LOOKAHEAD_HELP)] = 1,
     eager: Annotated[bool, typer.Option(help=EAGER_HELP)] = False,
+    prefetch_min_score: Annotated[float, typer.Option(help=MIN_SCORE_HELP, min=0.0, max=1.0)] = 0.0,
     out: Annotated[Path, typer.Option(help="JSON result file.")] = Path("bench.json"),
 ) -> None:
     """Run offload policies side by side: TTFT, time per token, peak memory, bytes, hit rate, and their bounds."""
@@ -323,7 +327,7 @@ def bench_cmd(
                           batch_sizes=batch_size or [1], prompt_len=prompt_len, new_tokens=new_tokens,
                           baseline_new_tokens=baseline_new_tokens, routing=routing, predictors=predictor or ["none"],
                           gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None, seed=seed,
-                          repeats=repeats, lookahead=lookahead, eager=eager)
+                          repeats=repeats, lookahead=lookahead, eager=eager, prefetch_min_score=prefetch_min_score)
         if repeats < 1:
             raise ValueError(f"--repeats must be at least 1, got {repeats}")
         runs_total = repeats * len(s.batch_sizes) * sum(len(s.predictors) if p == "duoserve" else 1 for p in s.policies)

@@ -95,16 +95,28 @@ def _random_predictor(model) -> ExpertPredictor:
 def test_trained_predictor_prefetches_without_changing_outputs(embedded):
     model, tokenizer = embedded
     reference = _generate(model, tokenizer)[0]
-    policy = POLICIES["duoserve"]
-    stores = offload(model, policy, "cpu")
-    try:
-        with OffloadEngine(model, stores, policy, predictor=_random_predictor(model)) as engine:
-            tokens = _generate(model, tokenizer)[0]
-            stats = engine.stats()
-    finally:
-        put_experts(find_moe_layers(model), stores, "cpu")
-    assert torch.equal(tokens, reference)
-    assert stats["prefetched"] > 0 and stats["predictor_ms"] > 0
+    policy, predictor = POLICIES["duoserve"], _random_predictor(model)
+
+    def run(min_score: float) -> tuple[dict, list[float]]:
+        """Stats, and the score of every expert handed to the prefetch, copying ahead only those scored >= min_score."""
+        stores, scores = offload(model, policy, "cpu"), []
+        try:
+            with OffloadEngine(model, stores, policy, predictor=predictor, prefetch_min_score=min_score) as engine:
+                prefetch = engine._prefetch
+                engine._prefetch = lambda layer, ranked, **kw: scores.extend(v for _, v in ranked) or prefetch(
+                    layer, ranked, **kw)
+                tokens = _generate(model, tokenizer)[0]
+                stats = engine.stats()
+        finally:
+            put_experts(find_moe_layers(model), stores, "cpu")
+        assert torch.equal(tokens, reference)
+        assert stats["predictor_ms"] > 0 and all(v >= min_score for v in scores)
+        return stats, scores
+
+    every, scores = run(0.0)
+    some, none = run(statistics.median(scores))[0], run(1.0)[0]
+    assert every["prefetched"] > some["prefetched"] > none["prefetched"] == 0
+    assert some["prefetch_precision"] is not None and none["prefetch_precision"] is None
 
 
 def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedded):
@@ -378,6 +390,8 @@ def test_wrong_predictor_lookahead_or_budget_is_refused(embedded):
             OffloadEngine(model, stores, policy, predictor=_random_predictor(model), lookahead=2)
         with pytest.raises(ValueError, match="look-ahead must be in 1"):
             OffloadEngine(model, stores, policy, lookahead=len(stores))
+        with pytest.raises(ValueError, match="minimum score must be in"):
+            OffloadEngine(model, stores, policy, prefetch_min_score=1.5)
         with pytest.raises(ValueError, match="at least top-k"):
             OffloadEngine(model, stores, policy, gpu_expert_budget=stores[0].layout.nbytes * 3)
         budget = stores[0].layout.nbytes * 5  # a budget sizes the caching policies only
@@ -415,6 +429,8 @@ def test_generate_cli(tmp_path):
     assert "time per output token" in result.output
     bad = runner.invoke(run_app, ["generate", "--policy", "psychic"])
     assert bad.exit_code == 2 and "unknown policy" in bad.output
+    bad = runner.invoke(run_app, ["generate", "--prefetch-min-score", "1.5"])  # refused before the model loads
+    assert bad.exit_code == 2 and "--prefetch-min-score" in bad.output and "Loading" not in bad.output
 
 
 def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_models):
@@ -460,6 +476,7 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
     L = saved["geometry"]["moe_layers"]
     assert all(r["per_moe_layer"]["tpot_ms"] * L == pytest.approx(r["tpot_ms"]) for r in runs)
     assert all(r["host_op_us"] > 0 for r in runs) and saved["eager"] is False  # the host's pace, next to each run
+    assert saved["prefetch_min_score"] == 0.0
     decode = [t for t in saved["targets"] if t["target"] == "decode within 1.15x of its bound"]
     assert [t["round"] for t in decode] == [0, 1, "median"]
     assert decode[2]["value"] == pytest.approx(statistics.median(r["tpot_vs_bound"] for r in runs[1::2]))

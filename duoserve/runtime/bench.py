@@ -51,6 +51,7 @@ class BenchSettings:
     repeats: int = 1  # rounds over every configuration, interleaved, so drift and order show
     lookahead: int = 1  # decode prefetch depth (layers)
     eager: bool = False  # no CUDA graphs for decode calls
+    prefetch_min_score: float = 0.0  # decode prefetch: only predicted experts scored at least this
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -157,7 +158,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
     else:
         plugin = OffloadEngine(model, stores[policy.pinned], policy,
                                _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
-                               s.gpu_expert_budget, device, s.lookahead, s.eager)
+                               s.gpu_expert_budget, device, s.lookahead, s.eager, s.prefetch_min_score)
     try:
         with plugin:
             timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator
@@ -288,6 +289,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
                      "expert_mb": layout.nbytes / 1e6},
         "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
         "baseline_new_tokens": s.baseline_new_tokens, "gpu_expert_budget": s.gpu_expert_budget, "eager": s.eager,
+        "prefetch_min_score": s.prefetch_min_score,
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
     }
 

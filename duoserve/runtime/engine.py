@@ -130,12 +130,14 @@ class OffloadEngine(ExpertsPlugin):
     step predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor scores the next
     layer from the layers before it, so it needs d = 1; oracles take any d.
     ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
+    ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
+    are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
                  predictor: ExpertPredictor | LayerPredictor | None = None, routing: RoutingSource | None = None,
                  gpu_expert_budget: int | None = None, device: torch.device | str | None = None,
-                 lookahead: int = 1, eager: bool = False):
+                 lookahead: int = 1, eager: bool = False, prefetch_min_score: float = 0.0):
         if policy.resident:
             raise ValueError("the all-resident policy runs the model as it is, with no engine")
         super().__init__(model, routing)
@@ -155,6 +157,9 @@ class OffloadEngine(ExpertsPlugin):
             raise ValueError("a trained predictor scores the next layer from the layers before it: it needs "
                              f"look-ahead 1, got {lookahead}")
         self.lookahead = lookahead
+        if not 0.0 <= prefetch_min_score <= 1.0:
+            raise ValueError(f"the prefetch minimum score must be in [0, 1], got {prefetch_min_score}")
+        self.prefetch_min_score = prefetch_min_score
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.streams = Streams(self.device)
         self.predictor = TrainedPredictor(predictor, self.device) if isinstance(predictor, ExpertPredictor) \
@@ -374,7 +379,8 @@ class OffloadEngine(ExpertsPlugin):
         return ids, vals, done
 
     def _rank(self, scores) -> list[list[tuple[int, float]]]:
-        """Per target: the predicted union of the batch's experts, best score first."""
+        """Per target: the predicted union of the batch's experts scored at least ``prefetch_min_score``, best
+        score first."""
         ids, vals, done = scores
         with self.cpu("wait for predictor"):
             if done is not None:
@@ -383,7 +389,8 @@ class OffloadEngine(ExpertsPlugin):
             for target_ids, target_vals in zip(ids.flatten(1).tolist(), vals.flatten(1).tolist()):  # D x B*k each
                 best: dict[int, float] = {}
                 for e, v in zip(target_ids, target_vals):
-                    best[e] = max(v, best.get(e, 0.0))
+                    if v >= self.prefetch_min_score:
+                        best[e] = max(v, best.get(e, 0.0))
                 ranked.append(sorted(best.items(), key=lambda item: -item[1]))
         return ranked
 
