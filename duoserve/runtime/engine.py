@@ -17,9 +17,10 @@ MoE layer's call then runs, for the experts its router chose:
      or copied on the compute stream and waited for (on-demand);
   4. decode with a predictor: the predictor scores layer l+1 on its own stream from the token's
      routing history (and, if it was trained with them, next-gate ids: layer l+1's router on this
-     layer's input) while 2-3 run, and its top experts are copied into the cache right away, so
-     layer l+1 finds them resident; its router's real choice is still checked in step 1 and a
-     miss is fetched at once. Batches use the union of their tokens' experts.
+     layer's input) while 2-3 run, and its top experts (those scored at least ``prefetch_min_score``)
+     are copied into the cache right away, so layer l+1 finds them resident; its router's real
+     choice is still checked in step 1 and a miss is fetched at once. Batches use the union of their
+     tokens' experts.
 
 A decode call whose experts all fit in the cache (B=1 always) runs 2-3 as one group instead: its
 misses are fetched, then every pair is computed in one call, replayed from a CUDA graph where one
