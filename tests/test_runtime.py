@@ -454,6 +454,10 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     assert oracle >= 0.5 and oracle > none  # layer 1 of 2 is predicted; 2k slots may also keep layer 0's
     assert {t["target"] for t in saved["targets"]} >= {"TTFT >= 1.8x better than accelerate",
                                                        "decode within 1.15x of its bound"}
+    for t in saved["targets"]:  # one round: no medians; each row judged against the limit it names
+        assert t["round"] == 0 and t["met"] == (t["value"] <= t["at_most"] if "at_most" in t else
+                                                t["value"] >= t["at_least"])
+    assert {t["at_least"] for t in saved["targets"] if "at_least" in t} == {1.8, 1.4}
     refused = runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--predictor", "oracle"])
     assert refused.exit_code == 2 and "routing" in refused.output
 
