@@ -10,6 +10,8 @@
 # PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
 # weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
 # (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json).
+# SUFFIX=_b1 BATCHES=1 NEW_TOKENS=128 ... names the result runtime_MODEL_b1_h200.json, so one batch size per call can
+# generate the 128 tokens within the 10-minute limit (not run yet).
 # python3 there has torch and transformers; PYTHONPATH holds this repo.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -67,5 +69,5 @@ for model in $MODELS; do
         extra=(--layers "$MIXTRAL_LAYERS" --gpu-expert-budget "$MIXTRAL_BUDGET")
         for p in $MIXTRAL_PREDICTORS; do extra+=(--predictor "$p"); done
     fi
-    bench --model "$SHAPES/$model" "${args[@]}" "${extra[@]}" --out "$OUT/runtime_${model}_h200.json"
+    bench --model "$SHAPES/$model" "${args[@]}" "${extra[@]}" --out "$OUT/runtime_${model}${SUFFIX:-}_h200.json"
 done
