@@ -34,6 +34,9 @@ from duoserve.trace.hooks import find_moe_layers
 OFFLOAD = [name for name, p in POLICIES.items() if not p.resident]
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
 runner = CliRunner()
+needs_graphs = pytest.mark.skipif(
+    not torch.cuda.is_available() or not graphs_supported(torch.bfloat16, torch.device("cuda")),
+    reason="decode calls are captured in CUDA graphs only where bf16 grouped GEMMs have their own kernel (sm90/sm100)")
 
 
 def _generate(model, tokenizer, device="cpu", new_tokens=12):
@@ -515,9 +518,7 @@ def test_random_routing_draws_on_cuda_and_reads_on_the_host():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not graphs_supported(torch.bfloat16, torch.device("cuda")),
-                    reason="decode calls are captured in CUDA graphs only where bf16 grouped GEMMs have their own kernel "
-                           "(sm90/sm100)")
+@needs_graphs
 def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
     model = copy.deepcopy(embedded[0]).to(torch.bfloat16)
     layers = find_moe_layers(model)
@@ -548,9 +549,7 @@ def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or not graphs_supported(torch.bfloat16, torch.device("cuda")),
-                    reason="decode calls are captured in CUDA graphs only where bf16 grouped GEMMs have their own kernel "
-                           "(sm90/sm100)")
+@needs_graphs
 def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_do(embedded):
     # the predictor's stream and graph run beside the replayed experts calls; the tokens must not notice
     model, tokenizer = copy.deepcopy(embedded[0]).to(torch.bfloat16), embedded[1]
