@@ -508,6 +508,23 @@ def test_offload_on_cuda_matches_all_resident(embedded):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream needs a CUDA device")
+def test_expert_copies_land_on_the_copy_stream_through_the_cuda_runtime_and_through_torch():
+    streams = Streams(torch.device("cuda"))
+    with open("/proc/self/maps") as maps:  # torch's runtime is a shared library here: the engine must call it
+        assert (streams._memcpy is not None) == any("/libcudart.so" in line for line in maps)
+    rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).pin_memory()  # E x P
+    order = [4, 0, 5, 2]
+    for memcpy in {streams._memcpy, None}:
+        streams._memcpy = memcpy
+        slots = torch.zeros(len(order), 1000, dtype=torch.bfloat16, device="cuda")  # S x P
+        for s, e in enumerate(order):
+            streams.copy_to_device(slots[s], rows[e], streams.copy)
+        streams.wait(streams.compute, streams.record(streams.copy))
+        assert torch.equal(slots.cpu(), rows[order]), f"copies through {'the runtime' if memcpy else 'torch'}"
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="drawing on the device needs a CUDA device")
 def test_random_routing_draws_on_cuda_and_reads_on_the_host():
     routing = RandomRouting(2, 16, 4, seed=0, device="cuda")

@@ -83,17 +83,17 @@ class ExpertCache:
         stream = stream or self.streams.copy
         slots, waited = self.victims(len(experts), keep), set()
         self.clock += 1
-        with self.streams.on(stream):
-            for i, (e, s) in enumerate(zip(experts, slots)):
-                if self.key[s] is not None:
-                    del self.slot_of[self.key[s]]
-                if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
-                    waited.add(id(self.free[s]))
-                    self.streams.wait(stream, self.free[s])  # the slot's last reader has run
-                self.stats.bytes[phase] += store.copy_into(e, self._rows[s])
-                self.key[s], self.slot_of[(layer, e)] = (layer, e), s
-                self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
+        for i, (e, s) in enumerate(zip(experts, slots)):
+            if self.key[s] is not None:
+                del self.slot_of[self.key[s]]
+            if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
+                waited.add(id(self.free[s]))
+                self.streams.wait(stream, self.free[s])  # the slot's last reader has run
+            store.copy_into(e, self._rows[s], self.streams, stream)
+            self.key[s], self.slot_of[(layer, e)] = (layer, e), s
+            self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
         self.stats.copies[phase] += len(slots)
+        self.stats.bytes[phase] += len(slots) * self.layout.nbytes
         if seal:
             self.seal(slots, stream)
         return slots

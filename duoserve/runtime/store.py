@@ -19,6 +19,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from duoserve.runtime.streams import Streams
 from duoserve.trace.hooks import MoELayer
 
 T = TypeVar("T")
@@ -83,14 +84,15 @@ class HostExperts:
         """The parameters as they are (moved to pageable host memory if elsewhere)."""
         return cls(ExpertLayout.of(params), modules={n: p.cpu().contiguous() for n, p in params.items()})
 
-    def copy_into(self, expert: int, slot_row: torch.Tensor) -> int:
-        """Queue the copy of ``expert`` into a device slot (a P row) on the current stream; bytes moved."""
+    def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
+        """Queue the copy of ``expert`` into a device slot (a P row) on ``stream``: one asynchronous copy when
+        packed and pinned, else one blocking copy per parameter."""
         if self.packed is not None:
-            slot_row.copy_(self._rows[expert], non_blocking=self.pinned)
-        else:
+            streams.copy_to_device(slot_row, self._rows[expert], stream)
+            return
+        with streams.on(stream):
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
-        return self.layout.nbytes
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""

@@ -4,10 +4,15 @@ On CUDA the runtime uses three streams: compute (the caller's current stream), c
 expert fetches) and predict (the predictor). Work is ordered across them with events only, so the
 CPU never waits except where it must read a result (the routing, the predictor's choice). On the
 CPU every operation runs in program order, so events are ``None`` and waits do nothing.
+
+Expert copies go straight to ``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded: at batch 1 a
+decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host about 5 us
+more per copy (benchmarks/runtime_copy_issue.py). Where that runtime cannot be found, ``copy_`` is used.
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -27,6 +32,9 @@ class Streams:
             self.predict = torch.cuda.Stream(device)
         else:
             self.compute = self.copy = self.predict = None
+        # the runtime call queues on the current device's context: the engine's device must be current
+        self._memcpy = _runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
+            else None
 
     def on(self, stream):
         """Context that makes ``stream`` current (nothing on the CPU)."""
@@ -46,9 +54,37 @@ class Streams:
         if event is not None:
             stream.wait_event(event)
 
+    def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
+        """Queue the copy of host tensor ``src`` into device tensor ``dst`` (both contiguous, same size) on
+        ``stream``, without blocking the host where ``src`` is pinned."""
+        if self._memcpy is None:
+            with self.on(stream):
+                dst.copy_(src, non_blocking=self.cuda)
+        elif error := self._memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, _HOST_TO_DEVICE, stream.cuda_stream):
+            raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {error}")
+
     def synchronize(self) -> None:
         if self.cuda:
             torch.cuda.synchronize(self.device)
+
+
+_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+
+
+def _runtime_memcpy():
+    """``cudaMemcpyAsync`` of the CUDA runtime library this process loaded (torch's own, so its streams are ours),
+    or None where none is found (a runtime linked into torch statically, a system without /proc)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "/libcudart.so" in line), None)
+        if path is None:
+            return None
+        memcpy = ctypes.CDLL(path).cudaMemcpyAsync
+    except (OSError, AttributeError):
+        return None
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    memcpy.restype = ctypes.c_int
+    return memcpy
 
 
 class SpanTimer:

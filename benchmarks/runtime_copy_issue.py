@@ -1,0 +1,107 @@
+"""Host time to queue one expert's host-to-device copy, by the way it is issued.
+
+At batch 1 a decode step is host-bound, and the engine queues k expert copies per layer (Qwen3-30B-A3B:
+8 x 9.4 MB), so each copy's host cost is paid k x L times per token. Variants, each timed over groups of
+k copies (the host's issue time only; the device drains the copies untimed between groups):
+
+  torch copy_     slot.copy_(row, non_blocking=True) per expert, rows from the caching host allocator
+                  (pin_memory=True), which records an event per copy
+  registered      the same, rows in pageable memory registered with cudaHostRegister (no allocator event)
+  foreach         torch._foreach_copy_ of the group in one call
+  cudart          cudaMemcpyAsync called through ctypes on raw pointers
+  cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event)
+
+    python3 benchmarks/runtime_copy_issue.py [--expert-mb 9.4] [--group 8] [--groups 200]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+
+import torch
+
+from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.store import ExpertLayout, HostExperts
+from duoserve.runtime.streams import Streams
+
+
+def _cudart() -> ctypes.CDLL:
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise OSError("no libcudart found next to torch")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--expert-mb", type=float, default=9.4)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--groups", type=int, default=200)
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    P, k = int(args.expert_mb * 1e6 / 2), args.group
+    E = 2 * k
+    pinned = torch.zeros(E, P, dtype=torch.bfloat16, pin_memory=True)  # E x P
+    pageable = torch.zeros(E, P, dtype=torch.bfloat16)  # E x P
+    torch.cuda.cudart().cudaHostRegister(pageable.data_ptr(), pageable.numel() * 2, 0)
+    slots = torch.zeros(2 * k, P, dtype=torch.bfloat16, device=device)  # S x P
+    stream = torch.cuda.Stream(device)
+    rows, reg_rows, slot_rows = list(pinned.unbind(0)), list(pageable.unbind(0)), list(slots.unbind(0))
+    cudart = _cudart()
+    cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                       ctypes.c_void_p]
+    handle, nbytes = stream.cuda_stream, P * 2
+    src_ptrs, dst_ptrs = [r.data_ptr() for r in rows], [r.data_ptr() for r in slot_rows]
+
+    layout = ExpertLayout(("w",), ((P,),), (0,), P, torch.bfloat16)
+    store = HostExperts(layout, packed=pinned)
+    cache = ExpertCache(layout, 2 * k, Streams(device))
+
+    def torch_copy(g: int) -> None:
+        for i in range(k):
+            slot_rows[(g + i) % (2 * k)].copy_(rows[(g * k + i) % E], non_blocking=True)
+
+    def registered(g: int) -> None:
+        for i in range(k):
+            slot_rows[(g + i) % (2 * k)].copy_(reg_rows[(g * k + i) % E], non_blocking=True)
+
+    def foreach(g: int) -> None:
+        torch._foreach_copy_([slot_rows[(g + i) % (2 * k)] for i in range(k)],
+                             [rows[(g * k + i) % E] for i in range(k)], non_blocking=True)
+
+    def direct(g: int) -> None:
+        for i in range(k):
+            if cudart.cudaMemcpyAsync(dst_ptrs[(g + i) % (2 * k)], src_ptrs[(g * k + i) % E], nbytes, 1, handle):
+                raise RuntimeError("cudaMemcpyAsync failed")
+
+    def fetch(g: int) -> None:
+        cache.fetch(g, list(range(k)), store, "decode", set())
+
+    variants = {"torch copy_": torch_copy, "registered": registered, "foreach": foreach, "cudart": direct,
+                "cache.fetch": fetch}
+    times = {name: [] for name in variants}
+    for g in range(args.groups):  # interleaved, so drift in the host's pace hits every variant alike
+        for name, issue in variants.items():
+            torch.cuda.synchronize()
+            with torch.cuda.stream(stream):
+                start = time.perf_counter()
+                issue(g)
+                times[name].append((time.perf_counter() - start) * 1e6 / k)
+    torch.cuda.synchronize()
+    ok = torch.equal(slots[0].cpu(), pinned[0])
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {nbytes / 1e6:.1f} MB, groups of {k}, "
+          f"{args.groups} groups; host us per copy queued (median, p90); copies landed intact: {ok}")
+    base = statistics.median(times["torch copy_"])
+    for name, t in times.items():
+        t = sorted(t)
+        med = statistics.median(t)
+        print(f"  {name:12s} {med:6.2f} {t[int(0.9 * len(t))]:6.2f}   {med / base:.2f}x of torch copy_")
+
+
+if __name__ == "__main__":
+    main()
