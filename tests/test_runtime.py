@@ -515,7 +515,7 @@ def test_expert_copies_land_on_the_copy_stream_through_the_cuda_runtime_and_thro
         assert (streams._memcpy is not None) == any("/libcudart.so" in line for line in maps)
     rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).pin_memory()  # E x P
     order = [4, 0, 5, 2]
-    for memcpy in {streams._memcpy, None}:
+    for memcpy in (streams._memcpy, None):
         streams._memcpy = memcpy
         slots = torch.zeros(len(order), 1000, dtype=torch.bfloat16, device="cuda")  # S x P
         for s, e in enumerate(order):
