@@ -3,21 +3,22 @@
 # real model configs (Qwen3-30B-A3B, Mixtral-8x7B) with random bf16 weights, fewer layers than the
 # real models so that two host copies of the experts (pinned packed, pageable per module) fit in
 # the machine's 128 GiB, uniform random top-k routing (random weights make routers degenerate).
-# The defaults are the committed runs' settings; one model per call fits the device's 10 minutes:
-#   MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh; MODELS=mixtral-8x7b bash benchmarks/runtime_h200.sh
+# The defaults are the committed runs' settings (prompt 512, 128 new tokens, B=1 and 8). One call of the device's
+# 10 minutes fits Mixtral (6 min) but one Qwen batch size only (3 and 5.5 min); SUFFIX names the result file:
+#   MODELS=mixtral-8x7b bash benchmarks/runtime_h200.sh                           -> runtime_mixtral-8x7b_h200.json
+#   SUFFIX=_b1 BATCHES=1 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b1_h200.json
+#   SUFFIX=_b8 BATCHES=8 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b8_h200.json
 # B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
 # rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json): host-bound ratios drift between rounds.
 # PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
 # weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
-# (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json).
-# SUFFIX=_b1 BATCHES=1 NEW_TOKENS=128 ... names the result runtime_MODEL_b1_h200.json, so one batch size per call can
-# generate the issue's 128 tokens within the 10-minute limit (not run yet).
+# (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json, run with NEW_TOKENS=64).
 # python3 there has torch and transformers; PYTHONPATH holds this repo.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 QWEN_LAYERS=${QWEN_LAYERS:-16}
 MIXTRAL_LAYERS=${MIXTRAL_LAYERS:-4}
-NEW_TOKENS=${NEW_TOKENS:-64}
+NEW_TOKENS=${NEW_TOKENS:-128}
 BASELINE_TOKENS=${BASELINE_TOKENS:-16}
 BATCHES=${BATCHES:-"1 8"}
 QWEN_PREDICTORS=${QWEN_PREDICTORS:-"oracle:1 oracle:0.5 none"}
