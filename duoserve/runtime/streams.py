@@ -6,7 +6,7 @@ CPU never waits except where it must read a result (the routing, the predictor's
 CPU every operation runs in program order, so events are ``None`` and waits do nothing.
 
 Expert copies go straight to ``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded: at batch 1 a
-decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host about 5 us
+decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host about 6 us
 more per copy (benchmarks/runtime_copy_issue.py). Where that runtime cannot be found, ``copy_`` is used.
 """
 
@@ -56,7 +56,9 @@ class Streams:
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """Queue the copy of host tensor ``src`` into device tensor ``dst`` (both contiguous, same size) on
-        ``stream``, without blocking the host where ``src`` is pinned."""
+        ``stream``, without blocking the host where ``src`` is pinned. The runtime call records nothing with
+        torch's allocators, so both must outlive the copy: expert stores and the cache do, as the engine
+        synchronises its streams on exit."""
         if self._memcpy is None:
             with self.on(stream):
                 dst.copy_(src, non_blocking=self.cuda)
