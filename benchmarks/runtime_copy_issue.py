@@ -8,7 +8,7 @@ k copies (the host's issue time only; the device drains the copies untimed betwe
                   (pin_memory=True), which records an event per copy
   registered      the same, rows in pageable memory registered with cudaHostRegister (no allocator event)
   foreach         torch._foreach_copy_ of the group in one call
-  cudart          cudaMemcpyAsync called through ctypes on raw pointers
+  cudart          cudaMemcpyAsync called through ctypes on raw pointers (the engine's ``runtime_memcpy``)
   cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event)
 
     python3 benchmarks/runtime_copy_issue.py [--expert-mb 9.4] [--group 8] [--groups 200]
@@ -17,7 +17,6 @@ k copies (the host's issue time only; the device drains the copies untimed betwe
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 
@@ -25,16 +24,7 @@ import torch
 
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.store import ExpertLayout, HostExperts
-from duoserve.runtime.streams import Streams
-
-
-def _cudart() -> ctypes.CDLL:
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise OSError("no libcudart found next to torch")
+from duoserve.runtime.streams import Streams, runtime_memcpy
 
 
 def main() -> None:
@@ -52,9 +42,9 @@ def main() -> None:
     slots = torch.zeros(2 * k, P, dtype=torch.bfloat16, device=device)  # S x P
     stream = torch.cuda.Stream(device)
     rows, reg_rows, slot_rows = list(pinned.unbind(0)), list(pageable.unbind(0)), list(slots.unbind(0))
-    cudart = _cudart()
-    cudart.cudaMemcpyAsync.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                       ctypes.c_void_p]
+    memcpy = runtime_memcpy()  # what the engine calls
+    if memcpy is None:
+        raise SystemExit("torch's CUDA runtime is not a shared library in this process: no direct copies to time")
     handle, nbytes = stream.cuda_stream, P * 2
     src_ptrs, dst_ptrs = [r.data_ptr() for r in rows], [r.data_ptr() for r in slot_rows]
 
@@ -76,7 +66,7 @@ def main() -> None:
 
     def direct(g: int) -> None:
         for i in range(k):
-            if cudart.cudaMemcpyAsync(dst_ptrs[(g + i) % (2 * k)], src_ptrs[(g * k + i) % E], nbytes, 1, handle):
+            if memcpy(dst_ptrs[(g + i) % (2 * k)], src_ptrs[(g * k + i) % E], nbytes, 1, handle):
                 raise RuntimeError("cudaMemcpyAsync failed")
 
     def fetch(g: int) -> None:

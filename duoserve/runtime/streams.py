@@ -33,7 +33,7 @@ class Streams:
         else:
             self.compute = self.copy = self.predict = None
         # the runtime call queues on the current device's context: the engine's device must be current
-        self._memcpy = _runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
+        self._memcpy = runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
             else None
 
     def on(self, stream):
@@ -73,7 +73,7 @@ class Streams:
 _HOST_TO_DEVICE = 1  # cudaMemcpyKind
 
 
-def _runtime_memcpy():
+def runtime_memcpy():
     """``cudaMemcpyAsync`` of the CUDA runtime library this process loaded (torch's own, so its streams are ours),
     or None where none is found (a runtime linked into torch statically, a system without /proc)."""
     try:
