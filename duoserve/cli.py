@@ -279,6 +279,7 @@ def generate(
         table.add_row("decode cache hit rate", _num(counters["hit_rate"]["decode"]))
         table.add_row("stall waiting for copies (ms)", _num(counters["stall_ms"], ".1f"))
         table.add_row("predictor (ms)", _num(counters["predictor_ms"], ".1f"))
+        table.add_row("expert copies via", counters["copy_path"])
     console.print(table)
     if json_out:
         from duoserve.trace.writer import atomic_write_bytes

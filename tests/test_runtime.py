@@ -430,6 +430,7 @@ def test_generate_cli(tmp_path):
     saved = json.loads(out.read_text())
     assert saved["policy"] == "lru" and len(saved["texts"]) == 2 and saved["new_tokens"] >= 1
     assert "time per output token" in result.output
+    assert saved["copy_path"] == "torch copy_" and "expert copies via" in result.output  # which path ran, said
     bad = runner.invoke(run_app, ["generate", "--policy", "psychic"])
     assert bad.exit_code == 2 and "unknown policy" in bad.output
     bad = runner.invoke(run_app, ["generate", "--prefetch-min-score", "1.5"])  # refused before the model loads
@@ -483,6 +484,7 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
     L = saved["geometry"]["moe_layers"]
     assert all(r["per_moe_layer"]["tpot_ms"] * L == pytest.approx(r["tpot_ms"]) for r in runs)
     assert all(r["host_op_us"] > 0 for r in runs) and saved["eager"] is False  # the host's pace, next to each run
+    assert [r.get("copy_path") for r in runs[1::2]] == ["torch copy_"] * 2  # the CPU has no CUDA runtime to call
     assert saved["prefetch_min_score"] == 0.0
     decode = [t for t in saved["targets"] if t["target"] == "decode within 1.15x of its bound"]
     assert [t["round"] for t in decode] == [0, 1, "median"]
@@ -512,7 +514,7 @@ def test_offload_on_cuda_matches_all_resident(embedded):
 def test_expert_copies_land_on_the_copy_stream_through_the_cuda_runtime_and_through_torch():
     streams = Streams(torch.device("cuda"))
     with open("/proc/self/maps") as maps:  # torch's runtime is a shared library here: the engine must call it
-        assert (streams._memcpy is not None) == any("/libcudart.so" in line for line in maps)
+        assert (streams.copy_path == "cudaMemcpyAsync") == any("/libcudart.so" in line for line in maps)
     rows = torch.randn(6, 1000, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16).pin_memory()  # E x P
     order = [4, 0, 5, 2]
     for memcpy in (streams._memcpy, None):

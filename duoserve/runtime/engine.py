@@ -431,7 +431,8 @@ class OffloadEngine(ExpertsPlugin):
 
     def stats(self) -> dict:
         """Counters since the last reset: bytes and copies per phase, hit rates, stall and predictor time (device),
-        and host time per engine section (waiting for the routing or the predictor, queueing work)."""
+        host time per engine section (waiting for the routing or the predictor, queueing work), and how expert
+        copies were queued (``Streams.copy_path``)."""
         s = self.cache.stats
         return {
             "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
@@ -440,5 +441,5 @@ class OffloadEngine(ExpertsPlugin):
             "prefetched": s.prefetched,
             "prefetch_precision": s.prefetch_used / s.prefetched if s.prefetched else None,
             "stall_ms": self.stall.total_ms(), "predictor_ms": self.predict_time.total_ms(),
-            "host_ms": dict(self.cpu.ms),
+            "host_ms": dict(self.cpu.ms), "copy_path": self.streams.copy_path,
         }

@@ -54,6 +54,11 @@ class Streams:
         if event is not None:
             stream.wait_event(event)
 
+    @property
+    def copy_path(self) -> str:
+        """How ``copy_to_device`` queues a copy: "cudaMemcpyAsync" (the runtime, directly) or "torch copy_"."""
+        return "torch copy_" if self._memcpy is None else "cudaMemcpyAsync"
+
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """Queue the copy of host tensor ``src`` into device tensor ``dst`` (both contiguous, same size) on
         ``stream``, without blocking the host where ``src`` is pinned. The runtime call records nothing with
