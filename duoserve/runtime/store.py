@@ -66,7 +66,6 @@ class HostExperts:
     def __init__(self, layout: ExpertLayout, packed: torch.Tensor | None = None,
                  modules: dict[str, torch.Tensor] | None = None):
         self.layout, self.packed, self.modules = layout, packed, modules
-        self.pinned = packed is not None and packed.is_pinned()
         self._rows = list(packed.unbind(0)) if packed is not None else []  # E views of P, made once: a fetch is hot
 
     @classmethod
