@@ -9,7 +9,9 @@
 #   SUFFIX=_b1 BATCHES=1 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b1_h200.json
 #   SUFFIX=_b8 BATCHES=8 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b8_h200.json
 # B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
-# rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json): host-bound ratios drift between rounds.
+# rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json; SUFFIX is added to the name): host-bound
+# ratios drift between rounds. QWEN_PREDICTORS=oracle:1 B1_REPEATS=10 SUFFIX=_oracle pairs only the all-resident bound
+# and the oracle, so each round's two runs are seconds apart (runtime_qwen3-30b-a3b_b1_repeats_oracle_h200.json).
 # PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
 # weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
 # (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json, run with NEW_TOKENS=64).
@@ -43,7 +45,7 @@ if [ -n "${B1_REPEATS:-}" ]; then
     extra=(); for p in $QWEN_PREDICTORS; do extra+=(--predictor "$p"); done
     bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
         --new-tokens "$NEW_TOKENS" --repeats "$B1_REPEATS" --policy duoserve --policy all-resident --batch-size 1 \
-        "${extra[@]}" --out "$OUT/runtime_qwen3-30b-a3b_b1_repeats_h200.json"
+        "${extra[@]}" --out "$OUT/runtime_qwen3-30b-a3b_b1_repeats${SUFFIX:-}_h200.json"
     exit
 fi
 if [ -n "${PREDICTOR_COST:-}" ]; then
