@@ -24,7 +24,7 @@ MoE layer's call then runs, for the experts its router chose:
 
 A decode call whose experts all fit in the cache (B=1 always) runs 2-3 as one group instead: its
 misses are fetched, then every pair is computed in one call, replayed from a CUDA graph where one
-can be captured (``experts.py``). A predictor that scores on the host (the benchmarks' oracle) has
+can be captured (``experts.py``). A predictor on the host (the benchmarks' oracle) has
 its copies queued before that call, behind this layer's misses and pair rows, where the cache has
 room for them beside this layer's experts: at B=1 the copies bound a step.
 """
@@ -46,7 +46,12 @@ from duoserve.runtime.experts import (
     slot_experts,
 )
 from duoserve.runtime.policies import Policy
-from duoserve.runtime.sources import LayerPredictor, RoutingSource, TrainedPredictor
+from duoserve.runtime.sources import (
+    HostPredictor,
+    LayerPredictor,
+    RoutingSource,
+    TrainedPredictor,
+)
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import CpuSections, SpanTimer, Streams
 from duoserve.trace.hooks import find_moe_layers, moe_geometry, next_gate_fn
@@ -123,7 +128,8 @@ class ExpertsPlugin:
 class OffloadEngine(ExpertsPlugin):
     """Serve ``model`` with its routed experts in ``stores`` (one per MoE layer) under ``policy``.
 
-    ``predictor``: an exported predictor or any ``LayerPredictor`` (decode prefetch; duoserve only).
+    ``predictor``: an exported predictor, any ``LayerPredictor`` or a ``HostPredictor`` (decode prefetch; duoserve
+    only).
     ``routing``: a source that overrides the routers' choices (benchmarks on random weights).
     ``gpu_expert_budget``: bytes for cached experts (at least k of them); replaces the default of
     (1 + lookahead) x k slots of the caching policies (duoserve, lru); the others hold what their schedule needs.
@@ -136,7 +142,8 @@ class OffloadEngine(ExpertsPlugin):
     """
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], policy: Policy,
-                 predictor: ExpertPredictor | LayerPredictor | None = None, routing: RoutingSource | None = None,
+                 predictor: ExpertPredictor | LayerPredictor | HostPredictor | None = None,
+                 routing: RoutingSource | None = None,
                  gpu_expert_budget: int | None = None, device: torch.device | str | None = None,
                  lookahead: int = 1, eager: bool = False, prefetch_min_score: float = 0.0):
         if policy.resident:
@@ -171,7 +178,7 @@ class OffloadEngine(ExpertsPlugin):
                 raise ValueError("this predictor uses next-gate features, but not every MoE layer's router was found "
                                  "(a `gate` or `router` sibling of its experts module)")
             self._next_gate = [None] + [next_gate_fn(layer.router, self.k) for layer in self.layers[1:]]
-        self._host_predictor = getattr(self.predictor, "on_host", False)  # scores on the host: no predictor stream
+        self._host_predictor = getattr(self.predictor, "on_host", False)  # guesses on the host: no predictor stream
         slots = default_capacity(policy, self.E, self.k, lookahead)
         if gpu_expert_budget is not None and policy.reuse and not policy.prefetch_layer:
             slots = gpu_expert_budget // stores[0].layout.nbytes
@@ -218,7 +225,7 @@ class OffloadEngine(ExpertsPlugin):
                                                                   self._fetch_stream) if missing else []))
             inputs = self._load_all(hidden, weights, routing, slots)  # before any prefetch: see _load_all
             scores = self._queue_predictor(l, hidden, idx, routed, targets)
-            if targets and self._host_predictor:  # its scores are on the host already
+            if targets and self._host_predictor:  # its guesses are on the host already
                 ranked = self._rank(scores)
                 if sum(map(len, ranked)) <= self.cache.slots - len(keep):
                     # room beside this layer's experts: layer l+1's copies are queued before this layer's compute,
@@ -351,10 +358,10 @@ class OffloadEngine(ExpertsPlugin):
 
     def _launch_predictor(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]) -> tuple:
         """Queue the predictor for ``targets`` on its stream: D x B x k top ids and scores on the host, and the
-        event that says they have landed (the CPU reads them only after the misses are queued)."""
+        event that says they have landed (the CPU reads them only after the misses are queued). A host predictor
+        gives its D B x k guesses at once, with no scores (all equally sure) and nothing to wait for."""
         if self._host_predictor:  # nothing to queue; no history is kept for it
-            top = torch.stack([self.predictor.scores(self._history, t) for t in targets]).topk(self.k, dim=2)
-            return top.indices, top.values, None  # D x B x k each
+            return [self.predictor.top(t) for t in targets], None, None
         stream = self.streams.predict
         self.streams.wait(stream, routed)
         if self.streams.cuda:  # read on the predictor's stream: not to be reused by the compute stream before
@@ -368,7 +375,7 @@ class OffloadEngine(ExpertsPlugin):
                                   for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
             if top.indices.device.type == "cpu":  # the CPU playing the GPU
-                return top.indices, top.values, None
+                return top.indices.numpy(), top.values.numpy(), None
             shape = tuple(top.indices.shape)
             if shape not in self._host_top:  # reused: no pinned allocation per call
                 self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=True),
@@ -377,17 +384,19 @@ class OffloadEngine(ExpertsPlugin):
             ids.copy_(top.indices, non_blocking=True)
             vals.copy_(top.values, non_blocking=True)
             done = self.streams.record(stream)
-        return ids, vals, done
+        return ids.numpy(), vals.numpy(), done  # views of the pinned buffers: read once ``done`` has passed
 
     def _rank(self, scores) -> list[list[tuple[int, float]]]:
-        """Per target: the predicted union of the batch's experts scored at least ``prefetch_min_score``, best
-        score first."""
+        """Per target: the predicted union of the batch's experts scored at least ``prefetch_min_score`` (a host
+        predictor's all score 1), best score first."""
         ids, vals, done = scores
         with self.cpu("wait for predictor"):
             if done is not None:
                 done.synchronize()  # the CPU waits for the predictor only, not for the compute stream
             ranked = []
-            for target_ids, target_vals in zip(ids.flatten(1).tolist(), vals.flatten(1).tolist()):  # D x B*k each
+            for d, target_ids in enumerate(ids):  # B x k each
+                target_ids = target_ids.reshape(-1).tolist()  # B*k
+                target_vals = vals[d].reshape(-1).tolist() if vals is not None else [1.0] * len(target_ids)
                 best: dict[int, float] = {}
                 for e, v in zip(target_ids, target_vals):
                     if v >= self.prefetch_min_score:

@@ -26,7 +26,7 @@ from duoserve.predictor.model import ExpertPredictor
 
 class RoutingSource(Protocol):
     def begin(self, tokens: int) -> torch.Tensor: ...  # L x T x k for the forward pass starting (host or device)
-    def ids(self, layer: int) -> torch.Tensor: ...  # T x k of that pass, CPU
+    def ids(self, layer: int) -> np.ndarray: ...  # T x k of that pass, on the host
 
 
 class RandomRouting:
@@ -34,7 +34,7 @@ class RandomRouting:
 
     On a GPU the draw costs a forward pass microseconds, as a router does; on the host it took tens of
     milliseconds at a 4096-token prefill, charged to every policy's TTFT but to no bound. The host copy that
-    ``ids`` reads (for an oracle) is queued at once and waited for only when read.
+    ``ids`` reads (for an oracle) is queued at once and waited for only when first read.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, seed: int = 0,
@@ -43,6 +43,7 @@ class RandomRouting:
         self.generator = torch.Generator(device=self.device).manual_seed(seed)
         self._ids: torch.Tensor | None = None  # L x T x k, on the host
         self._copied: torch.cuda.Event | None = None
+        self._host: np.ndarray | None = None  # _ids once read: an oracle reads a layer per decode layer
 
     def begin(self, tokens: int) -> torch.Tensor:
         L, E, k = self.shape
@@ -54,12 +55,15 @@ class RandomRouting:
             self._copied.record()
         else:
             self._ids = ids
+        self._host = None
         return ids  # L x T x k, on the device
 
-    def ids(self, layer: int) -> torch.Tensor:
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._ids[layer]
+    def ids(self, layer: int) -> np.ndarray:
+        if self._host is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._host = self._ids.numpy()
+        return self._host[layer]
 
 
 class ReplayRouting:
@@ -79,23 +83,36 @@ class ReplayRouting:
         self.rows = torch.from_numpy(np.concatenate(parts)).long()  # N x L x k
         if (self.rows < 0).any():
             raise ValueError(f"trace {trace} has missing expert ids (-1); it cannot drive routing")
-        self.cursor, self._ids = 0, None
+        self.cursor, self._ids = 0, None  # L x T x k of the pass, on the host
 
     def begin(self, tokens: int) -> torch.Tensor:
         take = (self.cursor + torch.arange(tokens)) % len(self.rows)
         self.cursor = (self.cursor + tokens) % len(self.rows)
-        self._ids = self.rows[take].transpose(0, 1)  # L x T x k
-        return self._ids
+        ids = self.rows[take].transpose(0, 1)  # L x T x k
+        self._ids = ids.numpy()
+        return ids
 
-    def ids(self, layer: int) -> torch.Tensor:
+    def ids(self, layer: int) -> np.ndarray:
         return self._ids[layer]
 
 
 class LayerPredictor(Protocol):
-    on_host: bool  # scores on the host from no device input (the engine then skips the predictor stream)
+    """Scores layer ``target``'s experts for each sequence of a decode step, on the device, from the B x L x k
+    routing history (and the B x k next-gate ids for ``target``, if it uses them)."""
+
+    on_host = False
 
     def scores(self, history: torch.Tensor, target: int,
-               nextgate: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E (device or host)
+               nextgate: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E
+
+
+class HostPredictor(Protocol):
+    """Names layer ``target``'s predicted experts on the host from no device input, all equally sure (the
+    benchmarks' oracle): the engine queues nothing on the device for it and ranks nothing."""
+
+    on_host = True
+
+    def top(self, target: int) -> np.ndarray: ...  # B x k expert ids
 
 
 class TrainedPredictor:
@@ -135,8 +152,8 @@ class TrainedPredictor:
 
 class OraclePredictor:
     """Knows the routing source's choice for ``target`` and keeps each true expert with probability ``recall``,
-    replacing the others by random experts the token does not route to. It runs on the host, so the engine
-    queues nothing on the device for it (a trained predictor's device cost is its own benchmark)."""
+    replacing the others by random experts the token does not route to. A ``HostPredictor``: the engine queues
+    nothing on the device for it (a trained predictor's device cost is its own benchmark)."""
 
     on_host = True
 
@@ -146,18 +163,15 @@ class OraclePredictor:
         self.routing, self.E, self.recall = routing, num_experts, recall
         self.rng = np.random.default_rng(seed)
 
-    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
-        # numpy, not torch: a decode layer's guess is a few tiny arrays, where each torch CPU op costs a dispatch
-        true = self.routing.ids(target).numpy()  # B x k
+    def top(self, target: int) -> np.ndarray:
+        """B x k guessed experts of layer ``target``. numpy, not torch: a few tiny arrays, where each torch CPU op
+        costs the host a dispatch."""
+        true = self.routing.ids(target)  # B x k
+        if self.recall == 1.0:
+            return true
         B, k = true.shape
-        rows = np.arange(B)[:, None]  # B x 1
         keep = self.rng.random((B, k)) < self.recall  # B x k
-        guess = true
-        if not keep.all():
-            others = self.rng.random((B, self.E))  # B x E
-            others[rows, true] = -1.0  # true experts last
-            wrong = np.argpartition(-others, k - 1, axis=1)[:, :k]  # B x k experts the token does not route to
-            guess = np.where(keep, true, wrong)
-        scores = np.zeros((B, self.E), dtype=np.float32)
-        scores[rows, guess] = 1.0
-        return torch.from_numpy(scores)  # B x E, on the host: no copy to wait for
+        others = self.rng.random((B, self.E))  # B x E
+        others[np.arange(B)[:, None], true] = -1.0  # true experts last
+        wrong = np.argpartition(-others, k - 1, axis=1)[:, :k]  # B x k experts the token does not route to
+        return np.where(keep, true, wrong)
