@@ -1,0 +1,57 @@
+"""The engine's host time per decode layer, on the CPU stand-in: what a host-bound B=1 step pays the engine.
+
+At batch 1 a decode step on the GPU is host-bound, so every microsecond the engine's Python spends per
+layer is paid 16-48 times a token. This runs ``duoserve-run bench``'s own code on the CPU with Qwen3-30B-A3B's
+routing geometry (128 experts, top-8, 16 MoE layers) at tiny widths (hidden 64), so the engine's bookkeeping,
+not the experts' arithmetic, is what the sections measure: duoserve with an oracle at recall 1, random
+routing, prompt 32, B=1, several rounds. It prints each round's time per token (on the CPU that includes the
+experts' arithmetic: no bound to compare with) and the engine's host sections (``host_ms``) per decode layer, in
+microseconds.
+
+    python benchmarks/runtime_host_cpu.py [--rounds 3] [--new-tokens 64] [--layers 16] [--out FILE.json]
+
+To compare two commits, run it in a worktree of each (``git worktree add /tmp/old REV``; ``PYTHONPATH=/tmp/old``),
+alternately: the machine's pace drifts.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+from pathlib import Path
+
+from transformers import AutoConfig
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import parser, write_result  # noqa: E402
+
+from duoserve.runtime.bench import BenchSettings, bench  # noqa: E402
+
+TINY_WIDTHS = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "norm_topk_prob": True,
+               "decoder_sparse_step": 1, "mlp_only_layers": []}
+
+
+def main() -> None:
+    ap = parser(__doc__, geometry=(16, 128, 8))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    args = ap.parse_args()
+    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=args.layers, num_experts=args.experts,
+                                  num_experts_per_tok=args.top_k, **TINY_WIDTHS)
+    with tempfile.TemporaryDirectory() as folder:
+        config.save_pretrained(folder)
+        report = bench(BenchSettings(model=folder, config_only=True, device="cpu", dtype="float32",
+                                     policies=["duoserve"], predictors=["oracle:1"], routing="random",
+                                     prompt_len=32, new_tokens=args.new_tokens, repeats=args.rounds))
+    layers = report["geometry"]["moe_layers"]
+    for run in report["runs"]:
+        # host_ms covers the prefill too: one forward pass of the new_tokens
+        per_layer = {name: ms / args.new_tokens / layers * 1e3 for name, ms in run["host_ms"].items()}
+        print(f"round {run['round']}: {run['tpot_ms']:.2f} ms a token; host us per layer: "
+              + ", ".join(f"{name} {us:.1f}" for name, us in per_layer.items()))
+    write_result(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
