@@ -108,7 +108,7 @@ class LayerPredictor(Protocol):
 
 class HostPredictor(Protocol):
     """Names layer ``target``'s predicted experts on the host from no device input, all equally sure (the
-    benchmarks' oracle): the engine queues nothing on the device for it and ranks nothing."""
+    benchmarks' oracle): the engine queues nothing on the device for it and waits for nothing."""
 
     on_host = True
 
