@@ -24,8 +24,8 @@ SHAPES = {
 }
 
 
-def shape_config(name: str, num_layers: int | None = None):
-    """A transformers config of the named shape, optionally with fewer layers."""
+def shape_config(name: str, num_layers: int | None = None, **overrides):
+    """A transformers config of the named shape, optionally with fewer layers and other ``overrides`` (widths)."""
     from transformers import AutoConfig
 
     if name not in SHAPES:
@@ -33,7 +33,7 @@ def shape_config(name: str, num_layers: int | None = None):
     model_type, kwargs = SHAPES[name]
     if num_layers:
         kwargs = {**kwargs, "num_hidden_layers": num_layers}
-    return AutoConfig.for_model(model_type, **kwargs)
+    return AutoConfig.for_model(model_type, **{**kwargs, **overrides})
 
 
 def write_result(path: Path | None, report: dict) -> None:

@@ -6,7 +6,8 @@ routing geometry (128 experts, top-8, 16 MoE layers) at tiny widths (hidden 64),
 not the experts' arithmetic, is what the sections measure: duoserve with an oracle at recall 1, random
 routing, prompt 32, B=1, several rounds. It prints each round's time per token (on the CPU that includes the
 experts' arithmetic: no bound to compare with) and the engine's host sections (``host_ms``) per decode layer, in
-microseconds.
+microseconds. First it times reading and sorting one call's routing (``Routing`` and its ``rows``) both ways,
+in lists and in numpy, by pairs per call: where ``experts.SMALL_CALL`` switches between them.
 
     python benchmarks/runtime_host_cpu.py [--rounds 3] [--new-tokens 64] [--layers 16] [--out FILE.json]
 
@@ -18,36 +19,54 @@ from __future__ import annotations
 
 import sys
 import tempfile
+import timeit
 from pathlib import Path
 
-from transformers import AutoConfig
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, write_result  # noqa: E402
+from common import parser, shape_config, write_result  # noqa: E402
 
+from duoserve.runtime import experts  # noqa: E402
 from duoserve.runtime.bench import BenchSettings, bench  # noqa: E402
+from duoserve.runtime.sources import RandomRouting  # noqa: E402
 
 TINY_WIDTHS = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
-               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "norm_topk_prob": True,
-               "decoder_sparse_step": 1, "mlp_only_layers": []}
+               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
+
+
+def sort_us(tokens: int, num_experts: int, top_k: int, small_call: int) -> float:
+    """Microseconds to read and sort one call's routing into its pair rows, every expert in its own slot, with
+    ``experts.SMALL_CALL`` set to ``small_call``."""
+    idx = RandomRouting(1, num_experts, top_k, seed=tokens).begin(tokens)[0]  # T x k
+    default, experts.SMALL_CALL = experts.SMALL_CALL, small_call
+    try:
+        slots = {e: s for s, e in enumerate(experts.Routing(idx, num_experts).needed)}
+        num_slots = max(2 * top_k, len(slots))
+        runs = timeit.repeat(lambda: experts.Routing(idx, num_experts).rows(slots, num_slots), number=500, repeat=3)
+    finally:
+        experts.SMALL_CALL = default
+    return min(runs) / 500 * 1e6
 
 
 def main() -> None:
-    ap = parser(__doc__, geometry=(16, 128, 8))
+    ap = parser(__doc__, geometry=None)
+    ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=64)
     args = ap.parse_args()
-    config = AutoConfig.for_model("qwen3_moe", num_hidden_layers=args.layers, num_experts=args.experts,
-                                  num_experts_per_tok=args.top_k, **TINY_WIDTHS)
+    config = shape_config("qwen3-30b-a3b", args.layers, **TINY_WIDTHS)
+    E, k = config.num_experts, config.num_experts_per_tok
+    for tokens in (1, 8, 16, 24, 32):
+        lists, arrays = sort_us(tokens, E, k, small_call=1 << 30), sort_us(tokens, E, k, small_call=0)
+        print(f"routing of {tokens * k:3d} pairs: lists {lists:6.1f} us, numpy {arrays:6.1f} us"
+              f"{'  <- lists (SMALL_CALL)' if tokens * k <= experts.SMALL_CALL else ''}")
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         report = bench(BenchSettings(model=folder, config_only=True, device="cpu", dtype="float32",
                                      policies=["duoserve"], predictors=["oracle:1"], routing="random",
                                      prompt_len=32, new_tokens=args.new_tokens, repeats=args.rounds))
-    layers = report["geometry"]["moe_layers"]
     for run in report["runs"]:
         # host_ms covers the prefill too: one forward pass of the new_tokens
-        per_layer = {name: ms / args.new_tokens / layers * 1e3 for name, ms in run["host_ms"].items()}
+        per_layer = {name: ms / args.new_tokens / args.layers * 1e3 for name, ms in run["host_ms"].items()}
         print(f"round {run['round']}: {run['tpot_ms']:.2f} ms a token; host us per layer: "
               + ", ".join(f"{name} {us:.1f}" for name, us in per_layer.items()))
     write_result(args.out, report)

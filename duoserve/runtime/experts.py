@@ -29,8 +29,9 @@ import torch
 from transformers.integrations.moe import _grouped_linear
 
 # pairs (T*k) up to which a call's routing is sorted with plain lists: a decode call's few dozen pairs, where
-# numpy's cost per call outweighs the work. Reading and sorting a Qwen3 layer's on the CI CPU: 16 us in lists
-# against 47 us in numpy at 8 pairs, 105 against 134 at 128; numpy is ahead from about 190
+# numpy's cost per call outweighs the work. Reading and sorting a Qwen3 layer's on the CI CPU
+# (benchmarks/runtime_host_cpu.py prints both): 10 us in lists against 32 us in numpy at 8 pairs, 71 against 89
+# at 128, even from about 190
 SMALL_CALL = 128
 
 
