@@ -11,7 +11,10 @@
 # B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
 # rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json; SUFFIX is added to the name): host-bound
 # ratios drift between rounds. QWEN_PREDICTORS=oracle:1 B1_REPEATS=10 SUFFIX=_oracle pairs only the all-resident bound
-# and the oracle, so each round's two runs are seconds apart (runtime_qwen3-30b-a3b_b1_repeats_oracle_h200.json).
+# and the oracle, so each round's two runs are seconds apart (runtime_qwen3-30b-a3b_b1_repeats_oracle_h200.json); the
+# committed 915a69a rounds ran as four such runs of three rounds each, in one device command:
+#   for i in 1 2 3 4; do QWEN_PREDICTORS=oracle:1 B1_REPEATS=3 SUFFIX=_oracle$i bash benchmarks/runtime_h200.sh; done
+# and python benchmarks/runtime_rounds.py FILES... pools their rounds.
 # PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
 # weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
 # (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json, run with NEW_TOKENS=64).
