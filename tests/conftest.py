@@ -15,7 +15,12 @@ COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_ke
 
 
 def _configs(vocab: int, pad: int, eos: int) -> dict:
-    from transformers import DeepseekV3Config, MixtralConfig, OlmoeConfig, Qwen3MoeConfig
+    from transformers import (
+        DeepseekV3Config,
+        MixtralConfig,
+        OlmoeConfig,
+        Qwen3MoeConfig,
+    )
 
     ids = dict(vocab_size=vocab, pad_token_id=pad, eos_token_id=eos, bos_token_id=eos)
     return {

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from duoserve.cli import eval_app, run_app, trace_app, train_app
+from duoserve.cli.evaluate import app as eval_app
+from duoserve.cli.run import app as run_app
+from duoserve.cli.trace import app as trace_app
+from duoserve.cli.train import app as train_app
 
 runner = CliRunner()
 

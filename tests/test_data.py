@@ -11,7 +11,13 @@ import pandas as pd
 import pytest
 
 from duoserve.data import samples
-from duoserve.data.tasks import TASKS, load_requests, load_rows, parse_datasets, sample_indices
+from duoserve.data.tasks import (
+    TASKS,
+    load_requests,
+    load_rows,
+    parse_datasets,
+    sample_indices,
+)
 
 _CHAIN = re.compile(r"((?:\d+ [-+x/] )+\d+) = (\d+)")
 

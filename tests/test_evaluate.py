@@ -10,7 +10,12 @@ import torch
 
 from duoserve.evaluate.accuracy import evaluate_accuracy, load_report
 from duoserve.evaluate.report import write_report
-from duoserve.predictor import ExpertPredictor, FeatureSpec, load_predictor, save_predictor
+from duoserve.predictor import (
+    ExpertPredictor,
+    FeatureSpec,
+    load_predictor,
+    save_predictor,
+)
 from tests.conftest import write_trace
 
 A = [[0, 1], [2, 3], [4, 5]]  # layer-major top-2 sets of a 3-layer, 6-expert toy model
@@ -111,7 +116,7 @@ def test_report_command_and_notebook_run_headless(embedded_report, embedded_trac
     from nbclient import NotebookClient
     from typer.testing import CliRunner
 
-    from duoserve.cli import eval_app
+    from duoserve.cli.evaluate import app as eval_app
 
     folder, _ = embedded_report
     result = CliRunner().invoke(eval_app, ["report", str(folder)])

@@ -7,7 +7,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from duoserve.cli import train_app
+from duoserve.cli.train import app as train_app
 from duoserve.features.examples import load_routing, make_examples, split_requests
 from duoserve.features.stats import RoutingStats, compute_stats, stats_from_ids
 from duoserve.metrics import topk_metrics

@@ -11,7 +11,12 @@ import torch
 
 from duoserve.features.stats import compute_stats
 from duoserve.trace import open_trace
-from duoserve.trace.importers import ImportFormatError, ImportSettings, export_long, import_trace
+from duoserve.trace.importers import (
+    ImportFormatError,
+    ImportSettings,
+    export_long,
+    import_trace,
+)
 
 # 2 requests x 2 tokens x 3 layers, k=2; request 8's token 1 lacks layer 2 (dropped and counted)
 LOG = [
@@ -139,7 +144,7 @@ def test_round_trip_reproduces_the_trace(embedded_trace, tmp_path):
     np.testing.assert_array_equal(compute_stats(imported).affinity_counts, compute_stats(embedded_trace).affinity_counts)
     from typer.testing import CliRunner
 
-    from duoserve.cli import trace_app
+    from duoserve.cli.trace import app as trace_app
 
     info = CliRunner().invoke(trace_app, ["info", str(tmp_path / "t")])
     text = " ".join(info.output.split())  # the console wraps the first line where the temp path is long

@@ -5,7 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from duoserve.predictor.fast import GraphedPredictor, SparseHistoryPredictor, fold_batchnorm
+from duoserve.predictor.fast import (
+    GraphedPredictor,
+    SparseHistoryPredictor,
+    fold_batchnorm,
+)
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 
 L, E, K = 6, 16, 4

@@ -14,10 +14,14 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from typer.testing import CliRunner
 
 import duoserve.runtime.experts as experts_module
-from duoserve.cli import run_app
+from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.cli.run import app as run_app
+from duoserve.discovery import find_moe_layers
+from duoserve.loading import load_model
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime import (
     POLICIES,
+    EngineSettings,
     ExpertsPlugin,
     OffloadEngine,
     offload,
@@ -26,11 +30,8 @@ from duoserve.runtime import (
 )
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
-from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
-from duoserve.trace.collect import load_model
-from duoserve.trace.hooks import find_moe_layers
 
 OFFLOAD = [name for name, p in POLICIES.items() if not p.resident]
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
@@ -52,7 +53,8 @@ def _offloaded_generations(model, tokenizer, device, **engine_args):
         policy = POLICIES[name]
         stores = offload(model, policy, device)
         try:
-            with OffloadEngine(model, stores, policy, **(engine_args if policy.predict else {})) as engine:
+            settings = EngineSettings(**(engine_args if policy.predict else {}))
+            with OffloadEngine(model, stores, policy, settings=settings) as engine:
                 results[name] = (_generate(model, tokenizer, device)[0], engine.stats())
         finally:
             put_experts(find_moe_layers(model), stores, device)
@@ -105,10 +107,11 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
         """Stats, and the score of every expert handed to the prefetch, copying ahead only those scored >= min_score."""
         stores, scores = offload(model, policy, "cpu"), []
         try:
-            with OffloadEngine(model, stores, policy, predictor=predictor, prefetch_min_score=min_score) as engine:
-                prefetch = engine._prefetch
-                engine._prefetch = lambda layer, ranked, **kw: scores.extend(v for _, v in ranked) or prefetch(
-                    layer, ranked, **kw)
+            with OffloadEngine(model, stores, policy, predictor=predictor,
+                               settings=EngineSettings(prefetch_min_score=min_score)) as engine:
+                copy_ahead = engine.cache.copy_ahead
+                engine.cache.copy_ahead = lambda layer, ranked, *args, **kw: scores.extend(
+                    v for _, v in ranked) or copy_ahead(layer, ranked, *args, **kw)
                 tokens = _generate(model, tokenizer)[0]
                 stats = engine.stats()
         finally:
@@ -144,14 +147,14 @@ def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedde
     stores = offload(model, policy, "cpu")
     try:
         with OffloadEngine(model, stores, policy, predictor=predictor) as engine:
-            scores = engine.predictor.scores
+            scores = engine.prefetch.predictor.scores
 
             def spy(history, target, nextgate=None):
                 routed = layers[target].router(inputs[target - 1])[-1]  # T x k: the router's own choice
                 seen.append(torch.equal(nextgate.sort(1).values, routed.sort(1).values))
                 return scores(history, target, nextgate)
 
-            engine.predictor.scores = spy
+            engine.prefetch.predictor.scores = spy
             tokens = _generate(model, tokenizer)[0]
             stats = engine.stats()
     finally:
@@ -179,7 +182,7 @@ def _oracle_decode(embedded, recall: float, new_tokens: int, on_engine=None,
     routing = RandomRouting(L, E, k, seed=3)
     try:
         with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall), routing=routing,
-                           **engine_args) as engine:
+                           settings=EngineSettings(**engine_args)) as engine:
             if on_engine:
                 on_engine(engine)
             tokens = timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True)[0]
@@ -243,7 +246,7 @@ def _expert_bytes(embedded) -> int:
 def test_deeper_lookahead_predicts_further_ahead_with_the_same_hits(embedded):
     stats, engine, (L, _, k) = _oracle_decode(embedded, 1.0, new_tokens=6, lookahead=3)
     assert engine.cache.slots == 4 * k  # the computing layer and three ahead
-    assert engine._targets(0) == [1, 2, 3] and engine._targets(2) == [5] and engine._targets(5) == []
+    assert engine.prefetch.targets(0) == [1, 2, 3] and engine.prefetch.targets(2) == [5] and engine.prefetch.targets(5) == []
     assert stats["hit_rate"]["decode"] == pytest.approx((L - 1) / L) and stats["prefetch_precision"] == 1.0
     assert stats["prefetched"] == 5 * (L - 1) * k  # every layer but the first, once per decode step
 
@@ -252,7 +255,8 @@ def _hand_engine(embedded, policy_name: str, budget_slots: int):
     model, _ = embedded
     policy = POLICIES[policy_name]
     stores = offload(model, policy, "cpu")
-    engine = OffloadEngine(model, stores, policy, gpu_expert_budget=budget_slots * stores[0].layout.nbytes)
+    engine = OffloadEngine(model, stores, policy,
+                           settings=EngineSettings(gpu_expert_budget=budget_slots * stores[0].layout.nbytes))
     return model, stores, engine
 
 
@@ -410,16 +414,17 @@ def test_wrong_predictor_lookahead_or_budget_is_refused(embedded):
         with pytest.raises(ValueError, match="does not match"):
             OffloadEngine(model, stores, policy, predictor=wrong)
         with pytest.raises(ValueError, match="needs look-ahead 1"):
-            OffloadEngine(model, stores, policy, predictor=_random_predictor(model), lookahead=2)
+            OffloadEngine(model, stores, policy, predictor=_random_predictor(model), settings=EngineSettings(lookahead=2))
         with pytest.raises(ValueError, match="look-ahead must be in 1"):
-            OffloadEngine(model, stores, policy, lookahead=len(stores))
+            OffloadEngine(model, stores, policy, settings=EngineSettings(lookahead=len(stores)))
         with pytest.raises(ValueError, match="minimum score must be in"):
-            OffloadEngine(model, stores, policy, prefetch_min_score=1.5)
+            EngineSettings(prefetch_min_score=1.5)
         with pytest.raises(ValueError, match="at least top-k"):
-            OffloadEngine(model, stores, policy, gpu_expert_budget=stores[0].layout.nbytes * 3)
+            OffloadEngine(model, stores, policy, settings=EngineSettings(gpu_expert_budget=stores[0].layout.nbytes * 3))
         budget = stores[0].layout.nbytes * 5  # a budget sizes the caching policies only
-        assert OffloadEngine(model, stores, policy, gpu_expert_budget=budget).cache.slots == 5
-        assert OffloadEngine(model, stores, POLICIES["full-layer"], gpu_expert_budget=budget).cache.slots == 32
+        budgeted = EngineSettings(gpu_expert_budget=budget)
+        assert OffloadEngine(model, stores, policy, settings=budgeted).cache.slots == 5
+        assert OffloadEngine(model, stores, POLICIES["full-layer"], settings=budgeted).cache.slots == 32
         with pytest.raises(ValueError, match="does not use a predictor"):
             OffloadEngine(model, stores, POLICIES["lru"], predictor=_random_predictor(model))
     finally:
@@ -564,9 +569,9 @@ def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
     stores = offload(model, policy, "cuda")
     E, k = layers[0].experts.num_experts, model.config.num_experts_per_tok
     budget = 4 * k * stores[0].layout.nbytes  # room for two layers' 2k experts: the third call finds the first's
-    engines = {eager: OffloadEngine(model, stores, policy, gpu_expert_budget=budget, eager=eager)
+    engines = {eager: OffloadEngine(model, stores, policy, settings=EngineSettings(gpu_expert_budget=budget, eager=eager))
                for eager in (True, False)}
-    assert engines[True]._graphs is None
+    assert engines[True].compute.graphs is None
     gen = torch.Generator().manual_seed(0)
     routings = [torch.rand(2, E, generator=gen).topk(k).indices for _ in range(3)]
     routings.insert(2, routings[0])  # B = 2 decode calls at layers 0, 1, 0, 1; the third repeats the first: all hits
@@ -579,7 +584,7 @@ def test_decode_calls_replayed_from_cuda_graphs_equal_eager_calls(embedded):
             outputs[eager].append(engine.run_layer(step % 2, hidden, idx.cuda(), weights))
     for eager_out, graph_out in zip(outputs[True], outputs[False]):  # earlier outputs survive later replays
         torch.testing.assert_close(graph_out, eager_out)
-    assert len(engines[False]._graphs._graphs) == 2  # one per layer, replayed for later steps
+    assert len(engines[False].compute.graphs._graphs) == 2  # one per layer, replayed for later steps
     for engine in engines.values():
         experts = [set(idx.flatten().tolist()) for idx in routings]
         assert engine.cache.stats.hits["decode"] == len(experts[0]) + len(experts[1] & experts[3])
@@ -596,8 +601,9 @@ def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_
     for eager in (True, False):
         stores = offload(model, policy, "cuda")
         try:
-            with OffloadEngine(model, stores, policy, predictor=predictor, eager=eager) as engine:
-                results[eager] = (_generate(model, tokenizer, "cuda")[0], engine.stats(), engine._graphs)
+            with OffloadEngine(model, stores, policy, predictor=predictor,
+                               settings=EngineSettings(eager=eager)) as engine:
+                results[eager] = (_generate(model, tokenizer, "cuda")[0], engine.stats(), engine.compute.graphs)
         finally:
             put_experts(find_moe_layers(model), stores, "cpu")
     assert results[True][2] is None and len(results[False][2]._graphs) > 0  # replays did run

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from duoserve.data.tasks import parse_datasets
-from duoserve.trace import RoutingRecorder, find_moe_layers, moe_geometry, open_trace
-from duoserve.trace.collect import CollectSettings, collect, load_model, rows_from_records
+from duoserve.discovery import find_moe_layers, moe_geometry
+from duoserve.loading import load_model
+from duoserve.trace import RoutingRecorder, open_trace
+from duoserve.trace.collect import CollectSettings, collect, rows_from_records
 from duoserve.trace.format import nextgate_column
 from duoserve.trace.hooks import ForwardRecord
 from tests.conftest import ARCHS
@@ -183,8 +185,8 @@ def test_ranks_share_requests_without_overlap(arch_models, tmp_path, monkeypatch
 
 
 def test_bad_inputs_fail_clearly_and_leave_nothing(arch_models, dense_model, tmp_path):
-    from duoserve.trace.collect import ModelLoadError
-    from duoserve.trace.hooks import UnsupportedModelError
+    from duoserve.discovery import UnsupportedModelError
+    from duoserve.loading import ModelLoadError
 
     out = tmp_path / "never"
     with pytest.raises(ModelLoadError, match="no/such/model"):
@@ -214,7 +216,7 @@ def test_bad_inputs_fail_clearly_and_leave_nothing(arch_models, dense_model, tmp
 
 
 def test_unsupported_experts_module_is_refused(arch_models):
-    from duoserve.trace.hooks import UnsupportedModelError
+    from duoserve.discovery import UnsupportedModelError
 
     model, _ = load_model(str(arch_models["qwen3_moe"]), "cpu", "float32")
     model.model.layers[1].mlp.experts = torch.nn.ModuleList([torch.nn.Linear(4, 4)])

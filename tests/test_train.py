@@ -11,10 +11,9 @@ import pytest
 import torch
 
 from duoserve import load_predictor
-from duoserve.features.examples import load_routing
+from duoserve.features.examples import ExampleSet, load_routing
 from duoserve.predictor import trained_requests
 from duoserve.train.fit import FitSettings, fit
-from duoserve.train.lightning import ExampleSet
 from tests.conftest import write_trace
 
 SMALL = dict(widths=(256, 128, 64), epochs=3, batch_size=512, progress=False)

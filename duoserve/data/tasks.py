@@ -176,3 +176,11 @@ def load_requests(spec: DatasetSpec, fraction: float | None, count: int | None, 
     idx = sample_indices(len(ds), fraction, count, seed)
     rows = ds.select(idx.tolist())
     return [Request(spec.name, int(i), spec.task.prompt(row)) for i, row in zip(idx, rows)]
+
+
+SAMPLE_DATASETS = ("squad-sample", "orca-math-sample")  # built in: what runs offline by default
+
+
+def default_prompts(count: int = 2) -> list[str]:
+    """The first prompt of each built-in sample dataset (one SQuAD-style, one Orca-Math-style)."""
+    return [load_requests(spec, None, 1, seed=0)[0].prompt for spec in parse_datasets(SAMPLE_DATASETS)][:count]

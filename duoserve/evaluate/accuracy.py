@@ -20,6 +20,7 @@ import torch
 from duoserve.evaluate import scorers as S
 from duoserve.features.examples import load_routing, make_examples
 from duoserve.features.stats import RoutingStats, stats_from_ids
+from duoserve.files import write_json
 from duoserve.metrics import overlap
 from duoserve.predictor.artifact import load_predictor, trained_requests
 from duoserve.trace.format import open_trace
@@ -55,7 +56,7 @@ def hits_at_budgets(scorer: S.Scorer, ev: S.EvalSet, budgets: Sequence[int], chu
     return out
 
 
-def summarize(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[int]) -> pd.DataFrame:
+def metrics_table(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[int]) -> pd.DataFrame:
     """Group metrics: overall, per phase, per dataset and per layer."""
     k = ev.k
     tokens = ev.examples.token
@@ -129,7 +130,7 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
 
     k = meta.top_k
     budgets = sorted({k, *(k + m for m in extra_budgets if 0 < k + m <= meta.num_experts)})
-    scorers: list[S.Scorer] = [S.TrainedPredictor(predictor)]
+    scorers: list[S.Scorer] = [S.TrainedMLP(predictor)]
     make = {
         "popularity": lambda: S.Popularity(popularity),
         "affinity": lambda: S.AffinityMarkov(affinity),
@@ -161,13 +162,11 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         "evaluated_tokens": len(ev_table), "examples": len(ev),
         "scorers": {s.name: s.description for s in scorers},
     }
-    return AccuracyReport(summarize(hits, ev, budgets), budgets, info, stats)
+    return AccuracyReport(metrics_table(hits, ev, budgets), budgets, info, stats)
 
 
 def save_json(report: AccuracyReport, path: Path) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(report.to_json(), indent=2, default=str) + "\n")
-    tmp.replace(path)
+    write_json(path, report.to_json(), default=str)
 
 
 def load_report(folder: Path) -> AccuracyReport:

@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pandas as pd
 
-from duoserve.evaluate.accuracy import evaluate_accuracy
+from duoserve.evaluate.accuracy import AccuracyReport, evaluate_accuracy
+from duoserve.evaluate.report import markdown_table
 from duoserve.features.examples import load_routing
 from duoserve.trace.format import open_trace
-from duoserve.train.fit import FitSettings, fit
+from duoserve.train.fit import fit
+from duoserve.train.settings import FEATURES, FitSettings
 
 CROSS_BASELINES = ("popularity", "affinity", "next-gate")
 
@@ -55,3 +57,29 @@ def learning_curve(traces: Sequence[Path], work: Path, base: FitSettings, fracti
             rows.append({"train_fraction": f, "train_requests": result.info["split"]["train_requests"],
                          "scorer": scorer, **m})
     return pd.DataFrame(rows)
+
+
+def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_epochs: int = 3,
+                cross: bool = False, fractions: Sequence[float] | None = None,
+                progress: Callable[[str], None] | None = None) -> str:
+    """Run the cross-task study and/or the learning curve for ``report``'s predictor (fresh fits of its widths and
+    features in ``work``), store their rows in ``report.info`` and return their markdown sections."""
+    if not (cross or fractions):
+        return ""
+    config = report.info["predictor_config"]
+    base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
+                       features=[f for f in FEATURES if config["feature_spec"][f]], progress=False)
+    extra = ""
+    if cross:
+        ct = cross_task(traces, work, base, progress)
+        report.info["cross_task"] = ct.to_dict("records")
+        pivot = ct.pivot_table(index=["scorer", "train"], columns="test", values="exact_topk")
+        pivot.index = [f"{s} / trained on {t}" for s, t in pivot.index]
+        extra += "## Cross-task (decode, exact-top-k)\n\n" + markdown_table(pivot, "scorer / train") + "\n\n"
+    if fractions:
+        lc = learning_curve(traces, work, base, fractions, progress)
+        report.info["learning_curve"] = lc.to_dict("records")
+        pivot = lc.pivot_table(index="train_fraction", columns="scorer", values="exact_topk")
+        extra += ("## Learning curve (validation requests, all phases, exact-top-k)\n\n"
+                  + markdown_table(pivot, "train fraction") + "\n\n")
+    return extra

@@ -9,6 +9,7 @@ import pandas as pd
 
 from duoserve.evaluate.accuracy import AccuracyReport, save_json
 from duoserve.features.stats import RoutingStats
+from duoserve.files import write_text
 
 HEADLINE = ["examples", "exact_topk", "at_least_half", "recall"]
 
@@ -110,7 +111,5 @@ def write_report(report: AccuracyReport, out: Path, stats: RoutingStats | None =
     out.mkdir(parents=True, exist_ok=True)
     report.info["plots"] = [p.name for p in plot_all(report, stats, out)]
     save_json(report, out / "report.json")
-    tmp = out / ".report.md.tmp"
-    tmp.write_text(to_markdown(report, extra_md))
-    tmp.replace(out / "report.md")
+    write_text(out / "report.md", to_markdown(report, extra_md))
     return out

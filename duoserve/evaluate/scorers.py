@@ -13,12 +13,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from duoserve.features.examples import Examples, RoutingTable
+from duoserve.features.examples import (
+    Examples,
+    ExampleSet,
+    RoutingTable,
+    previous_experts,
+)
 from duoserve.metrics import multi_hot
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
-from duoserve.predictor.fast import SparseHistoryPredictor
+from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
-from duoserve.train.lightning import ExampleSet, previous_experts
 
 
 @dataclass
@@ -47,16 +51,15 @@ class Scorer:
         raise NotImplementedError
 
 
-class TrainedPredictor(Scorer):
+class TrainedMLP(Scorer):
     name, description = "trained MLP", "the exported predictor artifact (BN folded, sparse first layer: as deployed)"
 
     def __init__(self, predictor: ExpertPredictor):
-        self.predictor = SparseHistoryPredictor(predictor.eval())
+        self.predictor = TrainedPredictor(predictor.eval(), sparse=True)
 
-    @torch.no_grad()
     def scores(self, ev, idx):
         b = ev.batch(idx)
-        return self.predictor(b["history"], b["target"], b.get("nextgate"))
+        return self.predictor.logits(b["history"], b["target"], b.get("nextgate"))
 
 
 class Popularity(Scorer):

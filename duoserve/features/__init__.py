@@ -1,1 +1,1 @@
-"""Stage 2: traces -> popularity, affinity, training examples."""
+"""Stage 2: traces -> popularity, affinity, training examples (plain numpy and torch, no Lightning)."""

@@ -1,6 +1,6 @@
 """Training examples from traces: routing tables in memory, a split by request, (token, layer) pairs.
 
-Shape legend: N tokens, L MoE layers, k top-k, M examples.
+Shape legend: N tokens, L MoE layers, k top-k, M examples, B a batch of them.
 
 An example is a (token, target layer t) pair, t in 1..L-1: the input is the token's expert ids at
 the layers before t (features are built from them inside the predictor), the target the ids at t.
@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from torch.utils.data import Dataset
 
 from duoserve.trace.format import Trace, TraceMeta, row_filter
 
@@ -104,3 +106,31 @@ def make_examples(tokens: np.ndarray, num_layers: int) -> Examples:
     """Every (token, target layer) pair for the given token rows."""
     targets = np.arange(1, num_layers)
     return Examples(np.repeat(tokens, len(targets)), np.tile(targets, len(tokens)))
+
+
+class ExampleSet(Dataset):
+    """(token, target layer) examples over one routing table; fetched a whole batch at a time."""
+
+    def __init__(self, table: RoutingTable, examples: Examples):
+        self.ids = torch.from_numpy(table.ids.astype(np.int64))  # N x L x k
+        self.nextgate = None if table.nextgate is None else torch.from_numpy(table.nextgate.astype(np.int64))
+        self.token = torch.from_numpy(examples.token)
+        self.target = torch.from_numpy(examples.target)
+
+    def __len__(self) -> int:
+        return len(self.token)
+
+    def __getitems__(self, index: list[int]) -> dict[str, torch.Tensor]:
+        token, target = self.token[index], self.target[index]  # B, B
+        batch = {"history": self.ids[token], "target": target, "truth": self.ids[token, target]}  # B x L x k, B x k
+        if self.nextgate is not None:
+            batch["nextgate"] = self.nextgate[token, target - 1]  # B x k: guess for layer t made at t-1
+        return batch
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {k: v[0] for k, v in self.__getitems__([i]).items()}
+
+
+def previous_experts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """B x k: the experts routed one layer before each example's target."""
+    return batch["history"][torch.arange(len(batch["target"])), batch["target"] - 1]

@@ -9,6 +9,7 @@ Saved as safetensors (arrays) with JSON metadata, loadable without the training 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from duoserve.files import atomic_path
 from duoserve.trace.format import Trace, open_trace
 from duoserve.trace.info import expert_counts
 
@@ -54,12 +56,10 @@ class RoutingStats:
                             {"merged": [self.meta, other.meta]})
 
     def save(self, path: str | Path) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"popularity_counts": self.popularity_counts, "affinity_counts": self.affinity_counts}, str(tmp),
-                  metadata={"duoserve_stats": json.dumps({"version": STATS_VERSION, "tokens": self.tokens,
-                                                          "meta": self.meta})})
-        tmp.replace(path)
+        with atomic_path(path) as tmp:
+            save_file({"popularity_counts": self.popularity_counts, "affinity_counts": self.affinity_counts},
+                      str(tmp), metadata={"duoserve_stats": json.dumps({"version": STATS_VERSION,
+                                                                        "tokens": self.tokens, "meta": self.meta})})
 
     @classmethod
     def load(cls, path: str | Path) -> RoutingStats:
@@ -129,3 +129,18 @@ def stats_from_ids(ids: np.ndarray, num_experts: int, batch_rows: int = 65_536, 
     """Statistics of an in-memory N x L x k id table."""
     batches = (ids[i:i + batch_rows] for i in range(0, len(ids), batch_rows))
     return accumulate(batches, ids.shape[1], num_experts, meta)
+
+
+def merged_stats(paths: Sequence[str | Path], phase: str | None = None, workers: int = 1,
+                 on_folder: Callable[[], None] | None = None) -> RoutingStats:
+    """The statistics of several trace folders (same geometry), their counts merged; ``on_folder`` after each."""
+    opened = [open_trace(p) for p in paths]  # every folder checked before any is counted
+    merged = None
+    for trace in opened:
+        one = compute_stats(trace, phase, workers=workers)
+        merged = one if merged is None else merged.merge(one)
+        if on_folder:
+            on_folder()
+    if merged is None:
+        raise ValueError("no trace folder given")
+    return merged

@@ -11,14 +11,12 @@
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from duoserve.files import atomic_dir
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 
 ARTIFACT_VERSION = 1
@@ -29,17 +27,13 @@ def save_predictor(model: ExpertPredictor, out: str | Path, info: dict, train_re
     out = Path(out)
     if out.exists() and not (out / "config.json").exists():
         raise FileExistsError(f"{out} exists and is not a predictor folder; give a new --out")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     config = {"version": ARTIFACT_VERSION, "feature_spec": model.spec.to_dict(), "widths": list(model.widths),
               "dropout": model.dropout, **info}
-    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (tmp / "split.json").write_text(json.dumps({"train_requests": sorted(map(list, train_requests))}) + "\n")
     state = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / "model.safetensors"))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
+    with atomic_dir(out, replace=True) as tmp:
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        (tmp / "split.json").write_text(json.dumps({"train_requests": sorted(map(list, train_requests))}) + "\n")
+        save_file(state, str(tmp / "model.safetensors"))
     return out
 
 

@@ -128,3 +128,43 @@ class GraphedPredictor:
             self.nextgate.copy_(nextgate, non_blocking=True)
         self.graph.replay()
         return self.out
+
+
+class TrainedPredictor:
+    """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
+    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``scores``, where
+    on CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's prediction
+    costs the host one replay instead of a launch per operation (about 30).
+    """
+
+    on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
+
+    def __init__(self, predictor: ExpertPredictor, device: str | torch.device = "cpu", sparse: bool = False):
+        self.predictor = predictor
+        self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
+        self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
+        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (batch size, layer) -> B layer ids, made once
+
+    @property
+    def nextgate(self) -> bool:
+        """Whether it takes the next-gate ids of its target layer."""
+        return self.predictor.spec.nextgate
+
+    @torch.no_grad()
+    def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x E logits for each example's target layer (``target``: B layer ids)."""
+        return self.model(history, target, nextgate)
+
+    @torch.no_grad()
+    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
+        """B x E scores in [0, 1] of layer ``target`` for every sequence (on the current stream)."""
+        B = len(history)
+        if (B, target) not in self._targets:  # not one fill kernel per layer of every decode step
+            self._targets[B, target] = torch.full((B,), target, dtype=torch.long, device=history.device)
+        layer = self._targets[B, target]
+        if history.device.type != "cuda":
+            return self.model(history, layer, nextgate).sigmoid()
+        if B not in self._graphs:
+            self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
+                                               module=self.model)
+        return self._graphs[B](history, layer, nextgate)

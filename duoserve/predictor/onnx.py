@@ -9,12 +9,11 @@ PyTorch module on random inputs before it puts it in place.
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 
 import torch
 
+from duoserve.files import atomic_path
 from duoserve.predictor.fast import fold_batchnorm
 from duoserve.predictor.model import ExpertPredictor
 
@@ -55,17 +54,11 @@ def export_onnx(predictor: ExpertPredictor, folder: str | Path) -> tuple[Path, f
         raise RuntimeError("ONNX export needs the onnx extra: pip install 'duoserve[onnx]'") from err
     module = fold_batchnorm(predictor).cpu()
     example = _random_inputs(predictor, 5, torch.Generator().manual_seed(0))
-    folder = Path(folder)
-    fd, tmp = tempfile.mkstemp(prefix=".model.", suffix=".onnx", dir=folder)
-    os.close(fd)
-    try:
+    path = Path(folder) / ONNX_FILE
+    with atomic_path(path) as tmp:
         program = torch.onnx.export(module, tuple(example.values()), input_names=list(example),
                                     output_names=["logits"], dynamo=True, verbose=False,
                                     dynamic_shapes=tuple({0: "batch"} for _ in example))
         program.save(tmp)
         diff = check_onnx(tmp, predictor)
-        os.replace(tmp, folder / ONNX_FILE)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    return folder / ONNX_FILE, diff
+    return path, diff

@@ -1,12 +1,15 @@
 """Stage 5: model + predictor -> dual-phase expert-offload inference, with latency and memory figures.
 
-Imports only the predictor artifact loader from earlier stages' training side (no Lightning).
+Imports nothing from the trace, train or evaluate stages: models come through ``duoserve.discovery``
+and ``duoserve.loading``, predictors through the torch-only ``duoserve.predictor`` (no Lightning).
 The names below load on first use, so ``duoserve.runtime.policies`` (the CLI's help text) stays light.
 """
 
 from duoserve._lazy import lazy_exports
 
-_EXPORTS = {"ExpertsPlugin": "engine", "OffloadEngine": "engine", "offload": "generate", "parse_bytes": "generate",
-            "timed_generate": "generate", "POLICIES": "policies", "Policy": "policies", "get_policy": "policies"}
+_EXPORTS = {"EngineSettings": "settings", "ExpertsPlugin": "plugin", "Generation": "generation",
+            "OffloadEngine": "engine", "POLICIES": "policies", "Policy": "policies", "generate": "generation",
+            "get_policy": "policies", "offload": "generation", "parse_bytes": "settings",
+            "timed_generate": "generation"}
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

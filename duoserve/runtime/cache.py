@@ -10,6 +10,10 @@ step is short of. Eviction picks, among the slots a call may take, the lowest (w
 ``wanted`` is the predictor's score for an expert fetched for a layer still to run, and recency
 breaks ties, so with no predictor it is plain LRU. Which slot holds which expert is known on the
 host only; kernels get slot ids from the engine.
+
+The cache also keeps the books of copies made ahead of a layer's router (``copy_ahead``): which
+experts were wanted for which layer, and, for predicted ones, how many the layer really used
+(``settle``, when its router has spoken).
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ class ExpertCache:
         self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
         self.wanted = [0.0] * slots
         self.stats = CacheStats()
+        self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
+        self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
 
     @property
     def slots(self) -> int:
@@ -115,3 +121,41 @@ class ExpertCache:
         """Drop every key (the slots' contents stay until refilled)."""
         self.slot_of.clear()
         self.key = [None] * self.slots
+
+    def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:
+        """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
+        has spoken: scores given to its experts ahead of time are moot, and its predicted copies are settled."""
+        for e in self._wanted_for.pop(layer, ()):
+            if (s := self.slot_of.get((layer, e))) is not None:
+                self.wanted[s] = 0.0
+        hits = {e: s for e in needed if (s := self.slot_of.get((layer, e))) is not None}
+        self.stats.lookups[phase] += len(needed)
+        self.stats.hits[phase] += len(hits)
+        self.stats.prefetch_used += len(self._predicted_for.pop(layer, set()).intersection(hits))
+        return hits
+
+    def copy_ahead(self, layer: int, ranked: list[tuple[int, float]], store: HostExperts, phase: str,
+                   predicted: bool = True, busy: frozenset | set = frozenset()) -> None:
+        """Copy the best-ranked (expert, score) pairs of ``layer`` before its router runs, as many as the cache holds
+        besides the ``busy`` keys (which stay), on the copy stream; cached ones only get their score raised.
+        ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
+        ranked = ranked[:self.slots - len(busy)]
+        self._wanted_for.setdefault(layer, set()).update(e for e, _ in ranked)
+        fetch = []
+        for e, score in ranked:
+            if (s := self.slot_of.get((layer, e))) is None:
+                fetch.append((e, score))
+            else:
+                self.wanted[s] = max(self.wanted[s], score)
+        if fetch:
+            experts = [e for e, _ in fetch]
+            self.fetch(layer, experts, store, phase, {(layer, e) for e, _ in ranked} | busy,
+                       wanted=[score for _, score in fetch])
+            if predicted:
+                self.stats.prefetched += len(experts)
+                self._predicted_for.setdefault(layer, set()).update(experts)
+
+    def wait_ready(self, slots) -> None:
+        """Make the compute stream wait until ``slots``' copies have landed (a group's slots share one event)."""
+        for event in {id(e): e for e in (self.ready[s] for s in slots)}.values():
+            self.streams.wait(self.streams.compute, event)

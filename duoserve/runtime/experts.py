@@ -26,7 +26,11 @@ import itertools
 
 import numpy as np
 import torch
+from torch import nn
 from transformers.integrations.moe import _grouped_linear
+
+from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.streams import EngineTimers, Streams
 
 # pairs (T*k) up to which a call's routing is sorted with plain lists: a decode call's few dozen pairs, where
 # numpy's cost per call outweighs the work. Reading and sorting a Qwen3 layer's on the CI CPU
@@ -159,3 +163,58 @@ class GraphedSlotExperts:
         with torch.cuda.graph(graph, pool=self.pool):
             out = slot_experts(experts, hidden, weights, rows, self.num_slots)
         return graph, out
+
+
+class _SlotView:
+    """An experts module as its kernels see it, with the cache's slots in place of its experts."""
+
+    def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], count: int):
+        self.__dict__.update(_module=module, _weights=weights, num_experts=count)
+
+    def __getattr__(self, name: str):
+        weights = self.__dict__["_weights"]
+        return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
+
+
+class SlotCompute:
+    """The engine's expert compute: each MoE layer's experts modules (``modules``) run over the cache's slots,
+    their pair rows uploaded from the host, a one-group call replayed from a CUDA graph where ``graphs`` allows."""
+
+    def __init__(self, modules: list[nn.Module], cache: ExpertCache, streams: Streams, timers: EngineTimers,
+                 graphs: bool):
+        self.cache, self.streams, self.timers = cache, streams, timers
+        self.views = [_SlotView(m, cache.views, cache.slots) for m in modules]
+        self.graphs = GraphedSlotExperts(cache.slots, streams.device) if graphs else None
+
+    def upload(self, array: np.ndarray) -> torch.Tensor:
+        """A host index array on the device, queued on the current stream without blocking the host."""
+        t = torch.from_numpy(array)
+        return t.pin_memory().to(self.streams.device, non_blocking=True) if self.streams.cuda else t
+
+    def load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                 slots: dict[int, int]) -> tuple | torch.Tensor:
+        """Queue the upload of a one-group call's pair rows (``slots``: expert -> slot), with the call's other inputs
+        where it is replayed from a CUDA graph; what ``compute_all`` takes. Called before the call's prefetch:
+        host-to-device copies run in issue order, so rows queued behind layer l+1's copies would hold layer l's
+        compute, and the host's next routing read with it, until those copies land."""
+        with self.timers.cpu("queue compute"):
+            rows = routing.rows(slots, self.cache.slots)
+            return self.graphs.load(hidden, weights, rows) if self.graphs is not None else self.upload(rows)
+
+    def compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs: tuple | torch.Tensor,
+                    slots: dict[int, int]) -> torch.Tensor:
+        """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot) and its inputs
+        loaded by ``load_all``: one group, replayed from a CUDA graph where they run."""
+        with self.timers.stall.span():
+            self.cache.wait_ready(slots.values())
+        with self.timers.cpu("queue compute"):
+            out = self.graphs.run(l, self.views[l], inputs) if self.graphs is not None \
+                else slot_experts(self.views[l], hidden, weights, inputs, self.cache.slots)  # T x H
+            self.cache.release(list(slots.values()))
+        return out
+
+    def add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+                  slots: dict[int, int], out: torch.Tensor) -> None:
+        """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs (``rows``) to ``out``."""
+        add_slot_experts(self.views[l], hidden, weights, rows, self.cache.slots, out)
+        self.cache.release(list(slots.values()))

@@ -19,8 +19,8 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from duoserve.discovery import MoELayer
 from duoserve.runtime.streams import Streams
-from duoserve.trace.hooks import MoELayer
 
 T = TypeVar("T")
 _ALIGN = 8  # elements: keeps every parameter's offset 16-byte aligned for bf16 grouped GEMMs

@@ -156,3 +156,14 @@ class _Section:
         self.ms[self.name] = self.ms.get(self.name, 0.0) + (time.perf_counter() - self.start) * 1e3
         if self.mark is not None:
             self.mark.__exit__(*exc)
+
+
+class EngineTimers:
+    """What the engine times: stalls waiting for copies and the predictor (device spans), and its host sections."""
+
+    def __init__(self, streams: Streams):
+        self.streams = streams
+        self.reset()
+
+    def reset(self) -> None:
+        self.stall, self.predict, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()

@@ -6,7 +6,6 @@ The names below load on first use: reading a trace (``duoserve.trace.format``) n
 from duoserve._lazy import lazy_exports
 
 _EXPORTS = {"TRACE_VERSION": "format", "Trace": "format", "TraceMeta": "format", "open_trace": "format",
-            "MoEGeometry": "hooks", "RoutingRecorder": "hooks", "UnsupportedModelError": "hooks",
-            "find_moe_layers": "hooks", "moe_geometry": "hooks"}
+            "RoutingRecorder": "hooks"}
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

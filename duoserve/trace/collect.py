@@ -17,46 +17,12 @@ import torch
 
 import duoserve
 from duoserve.data.tasks import DatasetSpec, Request, load_requests
-from duoserve.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
+from duoserve.discovery import MoEGeometry, find_moe_layers, moe_geometry
+from duoserve.embedded import EMBEDDED_NAME
+from duoserve.loading import load_model
 from duoserve.trace.format import TraceMeta, nextgate_column
-from duoserve.trace.hooks import ForwardRecord, MoEGeometry, RoutingRecorder, find_moe_layers, moe_geometry
+from duoserve.trace.hooks import ForwardRecord, RoutingRecorder
 from duoserve.trace.writer import TraceWriter, finished_requests, prepare_out_dir
-
-DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(ValueError):
-    """The model or its tokenizer could not be loaded."""
-
-
-def resolve_model(model: str) -> str:
-    return str(EMBEDDED_MODEL) if model == EMBEDDED_NAME else model
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        if torch.cuda.is_available():
-            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        return torch.device("cpu")
-    return torch.device(device)
-
-
-def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
-    """Model (eval mode, on ``device``) and tokenizer (left padding) from a hub id, a local path or 'embedded'."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if dtype not in DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
-    path = resolve_model(model)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-        net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=DTYPES[dtype])
-    except (OSError, ValueError, KeyError) as err:
-        raise ModelLoadError(f"could not load model {model!r}: {err}") from err
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return net.to(resolve_device(device)).eval(), tokenizer
 
 
 def _eos_ids(model, tokenizer) -> list[int]:

@@ -23,9 +23,6 @@ Unknown per-token fields get placeholders: token_id -1, scores NaN.
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -36,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 import duoserve
+from duoserve.files import atomic_dir, atomic_path
 from duoserve.trace.format import PHASES, Trace, TraceMeta
 from duoserve.trace.writer import TraceWriter
 
@@ -354,9 +352,7 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
                      datasets=[{"name": s.dataset, "source": f"import:{s.format}:{s.source}"}],
                      package_version=duoserve.__version__,
                      generation={"imported_from": s.format, "inferred": inferred})
-    s.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{s.out.name}.", dir=s.out.parent))
-    try:
+    with atomic_dir(s.out, replace=True) as tmp:  # an empty --out folder is replaced
         writer = TraceWriter(tmp, meta, rows_per_part=s.rows_per_part)
         tokens = dropped = 0
 
@@ -402,12 +398,6 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
         writer.flush()
         if tokens == 0:
             raise ImportFormatError(f"{s.source}: no complete token (every token misses some layer)")
-        if s.out.exists():
-            s.out.rmdir()
-        os.replace(tmp, s.out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
     return ImportResult(s.out, tokens, dropped, (L, E, k), inferred, time.time() - start)
 
 
@@ -415,8 +405,7 @@ def export_long(trace: Trace, path: Path) -> int:
     """Write ``trace`` as long JSON lines, one row per (request, token, layer); returns the rows written."""
     L, k = trace.meta.num_layers, trace.meta.top_k
     rows = 0
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w") as f:
+    with atomic_path(path) as tmp, tmp.open("w") as f:
         for batch in trace.dataset.to_batches():
             d = batch.to_pydict()
             for i in range(batch.num_rows):
@@ -427,5 +416,4 @@ def export_long(trace: Trace, path: Path) -> int:
                         "experts": d["experts"][i][l * k:(l + 1) * k], "scores": d["scores"][i][l * k:(l + 1) * k],
                     }) + "\n")
                     rows += 1
-    tmp.replace(path)
     return rows

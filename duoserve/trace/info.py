@@ -53,7 +53,8 @@ def layer_stats(usage: np.ndarray) -> list[dict]:
     return stats
 
 
-def summarize(trace: Trace) -> TraceSummary:
+def summarize_trace(trace: Trace) -> TraceSummary:
+    """Requests per dataset, rows per (dataset, phase) and the L x E expert usage of a trace."""
     table = trace.dataset.to_table(columns=["dataset", "request_id", "phase"])
     requests = table.group_by(["dataset", "request_id"]).aggregate([]).column("dataset").value_counts()
     tokens = table.group_by(["dataset", "phase"]).aggregate([("request_id", "count")])

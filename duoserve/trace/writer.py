@@ -9,22 +9,16 @@ dropped. Under torchrun / accelerate each rank writes ``part-r{rank}-*`` for its
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from duoserve.files import atomic_path, write_json
 from duoserve.trace.format import TraceMeta, arrow_schema, part_files
 
 RUN_FILE = "_run.json"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 def prepare_out_dir(out: Path, run: dict) -> None:
@@ -45,7 +39,7 @@ def prepare_out_dir(out: Path, run: dict) -> None:
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty and holds no duoserve trace; give a new or empty --out")
     out.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(run_file, (json.dumps(run, indent=2, sort_keys=True) + "\n").encode())
+    write_json(run_file, run, sort_keys=True)
 
 
 def finished_requests(out: Path) -> set[tuple[str, int]]:
@@ -91,8 +85,7 @@ class TraceWriter:
         if not self._buffered:
             return
         path = self.out / f"part-r{self.rank:03d}-{self._seq:05d}.parquet"
-        tmp = path.with_name(f".{path.name}.tmp")
-        pq.write_table(pa.Table.from_batches(self._buffer, schema=self.schema), tmp, compression="zstd")
-        os.replace(tmp, path)
+        with atomic_path(path) as tmp:
+            pq.write_table(pa.Table.from_batches(self._buffer, schema=self.schema), tmp, compression="zstd")
         self._seq += 1
         self._buffer, self._buffered = [], 0

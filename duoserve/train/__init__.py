@@ -1,1 +1,1 @@
-"""Stage 3: examples -> predictor (Lightning), exported as a self-contained artifact."""
+"""Stage 3: examples -> predictor (Lightning), exported as a self-contained artifact (``duoserve.predictor``)."""

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -17,40 +16,25 @@ import torch
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from duoserve.features.examples import Examples, RoutingTable, load_routing, make_examples, split_requests
+from duoserve.features.examples import (
+    Examples,
+    ExampleSet,
+    RoutingTable,
+    load_routing,
+    make_examples,
+    previous_experts,
+    split_requests,
+)
 from duoserve.features.stats import stats_from_ids
 from duoserve.metrics import topk_metrics
 from duoserve.predictor.artifact import save_predictor
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
-from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.trace.format import open_trace
-from duoserve.train.lightning import ExampleSet, PredictorModule, RoutingDataModule, previous_experts
+from duoserve.train.lightning import PredictorModule, RoutingDataModule
+from duoserve.train.settings import FitSettings
 
 MONITOR = "val/exact_topk"
-
-
-@dataclass
-class FitSettings:
-    traces: Sequence[Path]
-    out: Path = Path("predictor")
-    phase: str | None = None  # None: prefill and decode tokens
-    datasets: Sequence[str] | None = None
-    val_fraction: float = 0.1
-    train_fraction: float = 1.0  # share of the training requests used (learning curves)
-    seed: int = 0
-    window: int | None = None  # None: all previous layers
-    widths: tuple[int, ...] = PAPER_WIDTHS
-    dropout: float = 0.1
-    features: Sequence[str] = ("popularity", "affinity")  # plus "nextgate" if wanted
-    epochs: int = 10
-    batch_size: int = 1024
-    lr: float = 1e-3
-    weight_decay: float = 0.01
-    patience: int = 3
-    accelerator: str = "auto"
-    devices: str | int = "auto"
-    strategy: str = "auto"
-    progress: bool = True
 
 
 @dataclass

@@ -6,41 +6,12 @@ Shape legend: B examples in a batch, L MoE layers, E experts, k top-k.
 from __future__ import annotations
 
 import lightning as pl
-import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from duoserve.features.examples import Examples, RoutingTable
+from duoserve.features.examples import Examples, ExampleSet, RoutingTable
 from duoserve.metrics import hit_metrics, multi_hot, overlap
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
-
-
-class ExampleSet(Dataset):
-    """(token, target layer) examples over one routing table; fetched a whole batch at a time."""
-
-    def __init__(self, table: RoutingTable, examples: Examples):
-        self.ids = torch.from_numpy(table.ids.astype(np.int64))  # N x L x k
-        self.nextgate = None if table.nextgate is None else torch.from_numpy(table.nextgate.astype(np.int64))
-        self.token = torch.from_numpy(examples.token)
-        self.target = torch.from_numpy(examples.target)
-
-    def __len__(self) -> int:
-        return len(self.token)
-
-    def __getitems__(self, index: list[int]) -> dict[str, torch.Tensor]:
-        token, target = self.token[index], self.target[index]  # B, B
-        batch = {"history": self.ids[token], "target": target, "truth": self.ids[token, target]}  # B x L x k, B x k
-        if self.nextgate is not None:
-            batch["nextgate"] = self.nextgate[token, target - 1]  # B x k: guess for layer t made at t-1
-        return batch
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {k: v[0] for k, v in self.__getitems__([i]).items()}
-
-
-def previous_experts(batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """B x k: the experts routed one layer before each example's target."""
-    return batch["history"][torch.arange(len(batch["target"])), batch["target"] - 1]
 
 
 def _identity(batch):

@@ -1,30 +1,27 @@
-"""Offload a loaded model and time greedy generations: TTFT, time per output token, end to end, peak memory.
+"""Offload a model and time greedy generations: TTFT, time per output token, end to end, peak memory.
 
 Shape legend: B sequences, S prompt length, N new tokens.
 """
 
 from __future__ import annotations
 
-import re
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
 from transformers.generation.streamers import BaseStreamer
 
-from duoserve.runtime.policies import Policy
-from duoserve.runtime.store import HostExperts, take_experts
-from duoserve.trace.hooks import find_moe_layers
-
-_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
-
-
-def parse_bytes(text: str) -> int:
-    """'8GiB', '512MiB', '1.5GB' or a plain number of bytes."""
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
-    if not match or match.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write e.g. 8GiB, 512MiB or 2GB")
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+from duoserve.discovery import find_moe_layers
+from duoserve.loading import load_model, resolve_device
+from duoserve.predictor.artifact import load_predictor
+from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.plugin import ExpertsPlugin
+from duoserve.runtime.policies import Policy, get_policy
+from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.store import HostExperts, put_experts, take_experts
 
 
 def offload(model: nn.Module, policy: Policy, device: torch.device | str) -> list[HostExperts]:
@@ -89,3 +86,44 @@ def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         "peak_gpu_bytes": torch.cuda.max_memory_allocated(device) if cuda else None,
     }
     return out, timing
+
+
+@dataclass
+class Generation:
+    """What ``generate`` returns: the texts, the run's timings and (offloaded) the engine's counters."""
+
+    policy: str
+    prompts: list[str]
+    texts: list[str]
+    timing: dict
+    counters: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return {"policy": self.policy, "texts": self.texts, **self.timing, **self.counters}
+
+
+def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predictor: str | Path | None = None,
+             new_tokens: int = 64, settings: EngineSettings = EngineSettings(), device: str = "auto",
+             dtype: str = "auto") -> Generation:
+    """Load ``model`` (hub id, path or 'embedded'), offload its experts under ``policy`` and generate greedily from
+    ``prompts`` (a batch) with the predictor artifact at ``predictor``; the model is put back together after."""
+    chosen = get_policy(policy)
+    scorer = load_predictor(predictor) if predictor else None
+    target = resolve_device(device)
+    net, tokenizer = load_model(model, device="cpu", dtype=dtype)
+    if chosen.resident:
+        net.to(target)
+        plugin, stores = ExpertsPlugin(net), None
+    else:
+        stores = offload(net, chosen, target)
+        plugin = OffloadEngine(net, stores, chosen, scorer, settings=settings, device=target)
+    batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
+    try:
+        with plugin:
+            out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
+            counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
+    finally:
+        if stores is not None:
+            put_experts(plugin.layers, stores, target)
+    texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
+    return Generation(chosen.name, list(prompts), texts, timing, counters)

@@ -4,33 +4,31 @@ Shape legend: B sequences, S prompt length, N new tokens.
 
 Each policy runs the same random prompts with the same routing. The model may be config-only
 (random weights, built on the device); then its routers are degenerate and ``routing`` should be
-``random`` or a trace to replay. Bounds, per run: prefill >= max(prefill bytes / pinned bandwidth,
-all-resident TTFT); a decode step >= max(its bytes / pinned bandwidth, all-resident time per token).
+``random`` or a trace to replay (``drivers.py``). Bounds and targets: ``targets.py``.
 """
 
 from __future__ import annotations
 
 import gc
-import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
 import duoserve
+from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.bench.targets import GB, add_bounds, check_targets
+from duoserve.discovery import find_moe_layers, moe_geometry
+from duoserve.loading import load_model, model_from_config, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
-from duoserve.runtime.engine import ExpertsPlugin, OffloadEngine
-from duoserve.runtime.generate import timed_generate
+from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.generation import timed_generate
+from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
-from duoserve.runtime.sources import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
-from duoserve.trace.collect import DTYPES, load_model, resolve_device, resolve_model
-from duoserve.trace.hooks import find_moe_layers, moe_geometry
-
-GB = 1e9
-BOUND_LIMIT = 1.15  # the runtime issue's target: prefill and decode within this factor of their bounds
 
 
 @dataclass
@@ -47,35 +45,27 @@ class BenchSettings:
     baseline_new_tokens: int | None = None  # fewer tokens for the fetch-bound baselines
     routing: str = "router"  # router, random, or a trace folder to replay
     predictors: list[str] = field(default_factory=lambda: ["none"])  # none, oracle[:recall], or an artifact
-    gpu_expert_budget: int | None = None
+    engine: EngineSettings = EngineSettings()  # the offload policies' cache budget, look-ahead, graphs, threshold
     seed: int = 0
     repeats: int = 1  # rounds over every configuration, interleaved, so drift and order show
-    lookahead: int = 1  # decode prefetch depth (layers)
-    eager: bool = False  # no CUDA graphs for decode calls
-    prefetch_min_score: float = 0.0  # decode prefetch: only predicted experts scored at least this
+
+    def __post_init__(self):
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be at least 1, got {self.repeats}")
+        if self.layers and not self.config_only:
+            raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
+
+    def run_count(self) -> int:
+        """Timed runs of a bench with these settings (untimed warm-ups aside)."""
+        return self.repeats * len(self.batch_sizes) * sum(len(self.predictors) if p == "duoserve" else 1
+                                                         for p in self.policies)
 
 
 def build_model(s: BenchSettings, device: torch.device):
     """The model (eval mode) with all weights, on ``device`` when config-only (random init), else on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    if not s.config_only:
-        if s.layers:
-            raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
-        return load_model(s.model, device="cpu", dtype=s.dtype)[0]
-    try:
-        config = AutoConfig.from_pretrained(resolve_model(s.model))
-    except (OSError, ValueError) as err:
-        raise ValueError(f"could not read a config for {s.model!r}: {err}") from err
-    if s.layers:
-        text = config.get_text_config()
-        text.num_hidden_layers = s.layers
-        if getattr(text, "layer_types", None):
-            text.layer_types = text.layer_types[:s.layers]
-    dtype = DTYPES[s.dtype] if s.dtype != "auto" else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+    if s.config_only:
+        return model_from_config(s.model, device, s.dtype, s.layers)
+    return load_model(s.model, device="cpu", dtype=s.dtype)[0]
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, trials: int = 3) -> dict[str, float | None]:
@@ -159,7 +149,7 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
     else:
         plugin = OffloadEngine(model, stores[policy.pinned], policy,
                                _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
-                               s.gpu_expert_budget, device, s.lookahead, s.eager, s.prefetch_min_score)
+                               s.engine, device)
     try:
         with plugin:
             timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator
@@ -177,58 +167,6 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
             torch.cuda.empty_cache()
     return {"policy": policy.name, "predictor": predictor if policy.predict else None,
             "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
-
-
-def _peers(a: dict, b: dict) -> bool:
-    """Runs that are compared: same batch size, same round."""
-    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"]
-
-
-def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
-    """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
-    for run in runs:
-        resident = next((r for r in runs if r["policy"] == "all-resident" and _peers(r, run)), None)
-        bandwidth = (pinned_gbps or pageable_gbps) * GB
-        moved = run.get("bytes_h2d", {"prefill": 0, "decode": 0})
-        steps = max(run["new_tokens"] - 1, 1)
-        prefill = max(moved["prefill"] / bandwidth, resident["ttft_s"] if resident else 0.0)
-        decode = max(moved["decode"] / steps / bandwidth * 1e3, resident["tpot_ms"] if resident else 0.0)
-        run.update(prefill_bound_s=prefill, decode_bound_ms=decode, ttft_vs_bound=run["ttft_s"] / prefill,
-                   tpot_vs_bound=run["tpot_ms"] / decode if run["tpot_ms"] else None)
-
-
-def check_targets(runs: list[dict]) -> list[dict]:
-    """The runtime issue's targets, per batch size and DuoServe run, where the runs they compare exist; with several
-    rounds, also each target's median over the rounds (``"round": "median"``), as host-bound ratios drift."""
-    checks = []
-    for run in (r for r in runs if r["policy"] == "duoserve"):
-        same = {r["policy"]: r for r in runs if _peers(r, run) and r["policy"] != "duoserve"}
-        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"]}
-        if "on-demand" in same and run["peak_gpu_bytes"] is not None:
-            extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
-            checks.append(_check(tag, "peak GPU memory <= on-demand + 0.3 GB", extra, at_most=0.3))
-        if "accelerate" in same:
-            checks.append(_check(tag, "TTFT >= 1.8x better than accelerate",
-                                 same["accelerate"]["ttft_s"] / run["ttft_s"], at_least=1.8))
-            checks.append(_check(tag, "TPOT >= 1.4x better than accelerate",
-                                 same["accelerate"]["tpot_ms"] / run["tpot_ms"], at_least=1.4))
-        for phase, key in (("prefill", "ttft_vs_bound"), ("decode", "tpot_vs_bound")):
-            checks.append(_check(tag, f"{phase} within {BOUND_LIMIT}x of its bound", run[key], at_most=BOUND_LIMIT))
-    rounds: dict[tuple, list[dict]] = {}
-    for c in checks:
-        rounds.setdefault((c["batch_size"], c["predictor"], c["target"]), []).append(c)
-    for (batch, predictor, target), group in rounds.items():
-        if len(group) > 1:
-            limits = {k: group[0][k] for k in ("at_most", "at_least") if k in group[0]}
-            checks.append(_check({"batch_size": batch, "predictor": predictor, "round": "median"}, target,
-                                 statistics.median(c["value"] for c in group), **limits))
-    return checks
-
-
-def _check(tag: dict, target: str, value: float, at_most: float | None = None, at_least: float | None = None) -> dict:
-    limit = {"at_most": at_most} if at_most is not None else {"at_least": at_least}
-    met = value <= at_most if at_most is not None else value >= at_least
-    return {**tag, "target": target, "value": value, **limit, "met": met}
 
 
 def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
@@ -289,8 +227,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
         "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
                      "expert_mb": layout.nbytes / 1e6},
         "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
-        "baseline_new_tokens": s.baseline_new_tokens, "gpu_expert_budget": s.gpu_expert_budget, "eager": s.eager,
-        "prefetch_min_score": s.prefetch_min_score,
+        "baseline_new_tokens": s.baseline_new_tokens, **asdict(s.engine),
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
     }
 

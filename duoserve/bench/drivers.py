@@ -1,0 +1,116 @@
+"""The bench's drivers: routing sources and an oracle predictor that stand in for a trained model's own.
+
+Random weights make a model's routers degenerate (a few experts take every token), so benchmarks on
+config-only models drive routing with uniform random top-k or a replayed trace. The oracle knows the
+source's routing and is degraded to a chosen recall, so latency can be charted against prediction
+accuracy. Each follows a protocol of ``duoserve.runtime.sources``.
+
+Shape legend: T tokens in a forward pass, B sequences, L MoE layers, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from duoserve.runtime.sources import RoutingSource
+from duoserve.trace.format import open_trace
+
+
+def random_ids(rng: np.random.Generator, n: int, L: int, E: int, k: int) -> np.ndarray:
+    """n x L x k uniformly random top-k expert ids, distinct within a layer (as a router picks them), on the host."""
+    return np.argsort(rng.random((n, L, E), dtype=np.float32), axis=2)[..., :k]
+
+
+class RandomRouting:
+    """Uniformly random, distinct top-k experts per token and layer (seeded), drawn on ``device``.
+
+    On a GPU the draw costs a forward pass microseconds, as a router does; on the host it took tens of
+    milliseconds at a 4096-token prefill, charged to every policy's TTFT but to no bound. The host copy that
+    ``ids`` reads (for an oracle) is queued at once and waited for only when first read.
+    """
+
+    def __init__(self, num_layers: int, num_experts: int, top_k: int, seed: int = 0,
+                 device: torch.device | str = "cpu"):
+        self.shape, self.device = (num_layers, num_experts, top_k), torch.device(device)
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._ids: torch.Tensor | None = None  # L x T x k, on the host
+        self._copied: torch.cuda.Event | None = None
+        self._host: np.ndarray | None = None  # _ids once read: an oracle reads a layer per decode layer
+
+    def begin(self, tokens: int) -> torch.Tensor:
+        L, E, k = self.shape
+        # the top k of E uniform draws are a uniformly random k-subset
+        ids = torch.rand(L, tokens, E, generator=self.generator, device=self.device).topk(k, dim=-1).indices
+        if self.device.type == "cuda":
+            self._ids = ids.to("cpu", non_blocking=True)  # pinned, not waited for here
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        else:
+            self._ids = ids
+        self._host = None
+        return ids  # L x T x k, on the device
+
+    def ids(self, layer: int) -> np.ndarray:
+        if self._host is None:
+            if self._copied is not None:
+                self._copied.synchronize()
+            self._host = self._ids.numpy()
+        return self._host[layer]
+
+
+class ReplayRouting:
+    """The token rows of a trace (optionally one phase), in file order and cycling, as successive tokens' routing."""
+
+    def __init__(self, trace: str | Path, num_layers: int, num_experts: int, top_k: int, phase: str | None = None):
+        t = open_trace(trace)
+        geometry = (t.meta.num_layers, t.meta.num_experts, t.meta.top_k)
+        if geometry != (num_layers, num_experts, top_k):
+            raise ValueError(f"trace {trace} has L, E, k = {geometry}; the model has "
+                             f"{(num_layers, num_experts, top_k)}")
+        parts = list(t.iter_experts(phase))
+        if not parts:
+            raise ValueError(f"trace {trace} has no {phase or ''} rows to replay".replace("  ", " "))
+        self.rows = torch.from_numpy(np.concatenate(parts)).long()  # N x L x k
+        if (self.rows < 0).any():
+            raise ValueError(f"trace {trace} has missing expert ids (-1); it cannot drive routing")
+        self.cursor, self._ids = 0, None  # L x T x k of the pass, on the host
+
+    def begin(self, tokens: int) -> torch.Tensor:
+        take = (self.cursor + torch.arange(tokens)) % len(self.rows)
+        self.cursor = (self.cursor + tokens) % len(self.rows)
+        ids = self.rows[take].transpose(0, 1)  # L x T x k
+        self._ids = ids.numpy()
+        return ids
+
+    def ids(self, layer: int) -> np.ndarray:
+        return self._ids[layer]
+
+
+class OraclePredictor:
+    """Knows the routing source's choice for ``target`` and keeps each true expert with probability ``recall``,
+    replacing the others by random experts the token does not route to. A ``HostPredictor``: the engine queues
+    nothing on the device for it (a trained predictor's device cost is its own benchmark)."""
+
+    on_host = True
+
+    def __init__(self, routing: RoutingSource, num_experts: int, recall: float = 1.0, seed: int = 0):
+        if not 0.0 <= recall <= 1.0:
+            raise ValueError(f"oracle recall must be in [0, 1], got {recall}")
+        self.routing, self.E, self.recall = routing, num_experts, recall
+        self.rng = np.random.default_rng(seed)
+
+    def top(self, target: int) -> np.ndarray:
+        """B x k guessed experts of layer ``target``. numpy, not torch: a few tiny arrays, where each torch CPU op
+        costs the host a dispatch."""
+        true = self.routing.ids(target)  # B x k
+        if self.recall == 1.0:
+            return true
+        B, k = true.shape
+        keep = self.rng.random((B, k)) < self.recall  # B x k
+        others = self.rng.random((B, self.E))  # B x E
+        others[np.arange(B)[:, None], true] = -1.0  # true experts last
+        wrong = np.argpartition(-others, k - 1, axis=1)[:, :k]  # B x k experts the token does not route to
+        return np.where(keep, true, wrong)

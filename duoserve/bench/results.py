@@ -1,0 +1,70 @@
+"""Benchmark result files that say how they were made: the commit, the machine and the command, inside the file.
+
+``benchmarks/results/`` keeps the latest result of each benchmark under a stable name; git keeps the
+older ones. Every script in ``benchmarks/`` writes through ``write_result``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+from duoserve.files import write_json
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with ``-dirty`` for uncommitted changes), or ``DUOSERVE_COMMIT`` where there is no git
+    (a copy of the tree on another machine)."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return os.environ.get("DUOSERVE_COMMIT")
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def machine() -> dict:
+    """The host and, where present, its GPU."""
+    info = {"host": platform.node(), "cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+            "python": platform.python_version()}
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return info
+
+
+def provenance(argv: list[str] | None = None) -> dict:
+    """Where a result comes from: commit, machine and the command line that produced it."""
+    argv = sys.argv if argv is None else argv
+    return {"commit": _commit(), "machine": machine(), "command": shlex.join(argv)}
+
+
+def write_result(path: Path | None, report: dict) -> None:
+    """Write a benchmark's JSON result with its provenance (if a path was given)."""
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, {"provenance": provenance(), **report})
+
+
+def parser(doc: str, geometry: tuple[int, int, int] | None = (48, 128, 8)) -> argparse.ArgumentParser:
+    """A benchmark's parser with --out (its JSON result) and, unless ``geometry`` is None,
+    --layers/--experts/--top-k (default: Qwen3-30B-A3B's MoE geometry)."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=None, help="write the result as JSON here")
+    if geometry is not None:
+        for flag, default in zip(("--layers", "--experts", "--top-k"), geometry):
+            ap.add_argument(flag, type=int, default=default)
+    return ap

@@ -1,0 +1,44 @@
+"""Real MoE model shapes, built with random weights from their configs: no hub, no checkpoint needed.
+
+Shape values copied from the models' published config.json files (architecture numbers only).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+SHAPES = {
+    "qwen3-30b-a3b": ("qwen3_moe", dict(
+        vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+        num_experts=128, num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+        rope_theta=1_000_000.0, max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "mixtral-8x7b": ("mixtral", dict(
+        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+        rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False)),
+}
+
+
+def shape_config(name: str, num_layers: int | None = None, **overrides):
+    """A transformers config of the named shape, optionally with fewer layers and other ``overrides`` (widths)."""
+    from transformers import AutoConfig
+
+    if name not in SHAPES:
+        raise ValueError(f"unknown shape {name!r}; choose from {', '.join(SHAPES)}")
+    model_type, kwargs = SHAPES[name]
+    if num_layers:
+        kwargs = {**kwargs, "num_hidden_layers": num_layers}
+    return AutoConfig.for_model(model_type, **{**kwargs, **overrides})
+
+
+def save_shape(name: str, folder: str | Path, num_layers: int | None = None, **overrides) -> Path:
+    """Write the named shape's config.json into ``folder``: a model path for ``--config-only`` runs."""
+    shape_config(name, num_layers, **overrides).save_pretrained(folder)
+    return Path(folder)
+
+
+if __name__ == "__main__":  # python -m duoserve.bench.shapes NAME FOLDER: a config folder for shell scripts
+    import sys
+
+    save_shape(sys.argv[1], sys.argv[2])

@@ -1,0 +1,64 @@
+"""The bench's bounds and the runtime's acceptance targets, computed from a bench's runs.
+
+Bounds, per run: prefill >= max(prefill bytes / pinned bandwidth, all-resident TTFT); a decode
+step >= max(its bytes / pinned bandwidth, all-resident time per token).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+GB = 1e9
+BOUND_LIMIT = 1.15  # the runtime's target: prefill and decode within this factor of their bounds
+
+
+def _peers(a: dict, b: dict) -> bool:
+    """Runs that are compared: same batch size, same round."""
+    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"]
+
+
+def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
+    """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
+    for run in runs:
+        resident = next((r for r in runs if r["policy"] == "all-resident" and _peers(r, run)), None)
+        bandwidth = (pinned_gbps or pageable_gbps) * GB
+        moved = run.get("bytes_h2d", {"prefill": 0, "decode": 0})
+        steps = max(run["new_tokens"] - 1, 1)
+        prefill = max(moved["prefill"] / bandwidth, resident["ttft_s"] if resident else 0.0)
+        decode = max(moved["decode"] / steps / bandwidth * 1e3, resident["tpot_ms"] if resident else 0.0)
+        run.update(prefill_bound_s=prefill, decode_bound_ms=decode, ttft_vs_bound=run["ttft_s"] / prefill,
+                   tpot_vs_bound=run["tpot_ms"] / decode if run["tpot_ms"] else None)
+
+
+def check_targets(runs: list[dict]) -> list[dict]:
+    """The runtime issue's targets, per batch size and DuoServe run, where the runs they compare exist; with several
+    rounds, also each target's median over the rounds (``"round": "median"``), as host-bound ratios drift."""
+    checks = []
+    for run in (r for r in runs if r["policy"] == "duoserve"):
+        same = {r["policy"]: r for r in runs if _peers(r, run) and r["policy"] != "duoserve"}
+        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"]}
+        if "on-demand" in same and run["peak_gpu_bytes"] is not None:
+            extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
+            checks.append(_check(tag, "peak GPU memory <= on-demand + 0.3 GB", extra, at_most=0.3))
+        if "accelerate" in same:
+            checks.append(_check(tag, "TTFT >= 1.8x better than accelerate",
+                                 same["accelerate"]["ttft_s"] / run["ttft_s"], at_least=1.8))
+            checks.append(_check(tag, "TPOT >= 1.4x better than accelerate",
+                                 same["accelerate"]["tpot_ms"] / run["tpot_ms"], at_least=1.4))
+        for phase, key in (("prefill", "ttft_vs_bound"), ("decode", "tpot_vs_bound")):
+            checks.append(_check(tag, f"{phase} within {BOUND_LIMIT}x of its bound", run[key], at_most=BOUND_LIMIT))
+    rounds: dict[tuple, list[dict]] = {}
+    for c in checks:
+        rounds.setdefault((c["batch_size"], c["predictor"], c["target"]), []).append(c)
+    for (batch, predictor, target), group in rounds.items():
+        if len(group) > 1:
+            limits = {k: group[0][k] for k in ("at_most", "at_least") if k in group[0]}
+            checks.append(_check({"batch_size": batch, "predictor": predictor, "round": "median"}, target,
+                                 statistics.median(c["value"] for c in group), **limits))
+    return checks
+
+
+def _check(tag: dict, target: str, value: float, at_most: float | None = None, at_least: float | None = None) -> dict:
+    limit = {"at_most": at_most} if at_most is not None else {"at_least": at_least}
+    met = value <= at_most if at_most is not None else value >= at_least
+    return {**tag, "target": target, "value": value, **limit, "met": met}

@@ -1,0 +1,100 @@
+"""What every app shares: user errors as one line and exit code 2, progress bars, tables, and option types."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from duoserve.embedded import EMBEDDED_NAME
+from duoserve.runtime.policies import POLICIES
+from duoserve.runtime.settings import EngineSettings, parse_bytes
+
+console = Console()
+err_console = Console(stderr=True)
+
+_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
+
+
+def new_app(help: str) -> typer.Typer:
+    """A stage's typer app: help without arguments, plain errors (no rich tracebacks)."""
+    return typer.Typer(help=help, no_args_is_help=True, pretty_exceptions_enable=False)
+
+
+@contextmanager
+def user_errors() -> Iterator[None]:
+    """Errors a user can fix by changing the command line: printed plainly, exit code 2."""
+    try:
+        yield
+    except typer.Exit:  # a RuntimeError too, but already the answer
+        raise
+    except _USER_ERRORS as err:
+        err_console.print(f"[bold red]error:[/] {err}")
+        raise typer.Exit(2) from err
+
+
+def table(title: str, *columns: str) -> Table:
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, overflow="fold")  # narrow terminals fold figures instead of cutting them
+    return t
+
+
+def progress() -> Progress:
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TimeRemainingColumn(), console=err_console, transient=False)
+
+
+def gb(nbytes) -> str:
+    return "-" if nbytes is None else f"{nbytes / 1e9:.2f}"
+
+
+def num(value, fmt: str = ".3f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def phase_filter(phase: str) -> Optional[str]:
+    """None for 'all', else the phase; refuses anything else."""
+    if phase not in ("all", "prefill", "decode"):
+        raise typer.BadParameter(f"phase must be all, prefill or decode, not {phase!r}")
+    return None if phase == "all" else phase
+
+
+# option types ------------------------------------------------------------------------------------
+ENGINE = EngineSettings()  # the engine's defaults, declared once
+
+ModelOption = Annotated[str, typer.Option(help=f"HF model id, local path, or '{EMBEDDED_NAME}' (the bundled tiny MoE).")]
+DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16, float16.")]
+PhaseOption = Annotated[str, typer.Option(help="prefill, decode, or all.")]
+PolicyHelp = f"{', '.join(POLICIES)} (duoserve-run policies says what each does)."
+BudgetOption = Annotated[Optional[str], typer.Option(
+    help="Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
+         "experts. [default: (1 + lookahead) x top-k experts]")]
+LookaheadOption = Annotated[int, typer.Option(
+    help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. Trained predictors "
+         "need 1; oracles take any.")]
+EagerOption = Annotated[bool, typer.Option(
+    help="Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py).")]
+MinScoreOption = Annotated[float, typer.Option(
+    help="Decode prefetch (duoserve): copy ahead only predicted experts scored at least this, 0-1 (a trained "
+         "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.", min=0.0, max=1.0)]
+OutFolder = Annotated[Path, typer.Option(help="Output folder.")]
+
+
+def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_score: float) -> EngineSettings:
+    """The engine options of a command as one settings object."""
+    return EngineSettings(gpu_expert_budget=parse_bytes(budget) if budget else None, lookahead=lookahead,
+                          eager=eager, prefetch_min_score=min_score)

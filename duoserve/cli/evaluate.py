@@ -1,0 +1,101 @@
+"""duoserve-eval: how well a predictor knows the next layer's experts, against the baselines (stage 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from duoserve.cli.common import console, new_app, progress, table, user_errors
+from duoserve.evaluate.accuracy import BASELINES
+
+app = new_app("How well a predictor knows the next layer's experts, against the baselines (stage 4).")
+
+
+def _print_overall(report) -> None:
+    for phase in ("decode", "prefill"):
+        overall = report.overall(phase)
+        if overall.empty:
+            continue
+        summary = table(f"{phase} tokens ({int(overall['examples'].iloc[0])} token-layer predictions)", "scorer",
+                        "exact-top-k", "at-least-half", "recall", *(f"recall@{b}" for b in report.budgets[1:]))
+        for name, row in overall.iterrows():
+            summary.add_row(f"[bold]{name}[/]" if name == "trained MLP" else name, f"{row.exact_topk:.3f}",
+                            f"{row.at_least_half:.3f}", f"{row.recall:.3f}",
+                            *(f"{row[f'recall@{b}']:.3f}" for b in report.budgets[1:]))
+        console.print(summary)
+
+
+@app.command()
+def accuracy(
+    traces: Annotated[list[Path], typer.Option(help="Trace folder(s) to evaluate on (requests the predictor "
+                                                    "was trained on are skipped).")],
+    predictor: Annotated[Path, typer.Option(help="Predictor artifact folder (duoserve-train fit).")],
+    out: Annotated[Path, typer.Option(help="Report folder: report.json, report.md, plots.")] = Path("report"),
+    train_traces: Annotated[Optional[list[Path]], typer.Option(
+        help="Traces the predictor was trained on (for the baselines). [default: those in its config.json]")] = None,
+    baseline: Annotated[Optional[list[str]], typer.Option(
+        help=f"Baselines to include (repeatable). [default: all: {', '.join(BASELINES)}]")] = None,
+    extra_budget: Annotated[str, typer.Option(help="Extra experts fetched beyond k, comma-separated.")] = "1,2",
+    cross_task: Annotated[bool, typer.Option(help="Also fit per dataset and test on the others.")] = False,
+    learning_curve: Annotated[Optional[str], typer.Option(
+        help="Also fit on these shares of the training requests, e.g. 0.1,0.25,0.5,1.")] = None,
+    fit_epochs: Annotated[int, typer.Option(help="Epochs of the extra fits (cross-task, learning curve).")] = 3,
+) -> None:
+    """Accuracy of PREDICTOR and every baseline on unseen requests; writes report.json, report.md and plots."""
+    from duoserve.evaluate.accuracy import evaluate_accuracy
+    from duoserve.evaluate.generalization import add_studies
+    from duoserve.evaluate.report import write_report
+
+    with user_errors():
+        with progress() as bar:
+            task = bar.add_task("evaluating", total=None)
+            say = lambda text: bar.update(task, description=text)  # noqa: E731
+            report = evaluate_accuracy(traces, predictor, train_traces, baseline or BASELINES,
+                                       [int(b) for b in extra_budget.split(",") if b.strip()], say)
+            fractions = [float(f) for f in learning_curve.split(",")] if learning_curve else None
+            extra = add_studies(report, traces, out / "fits", fit_epochs, cross_task, fractions, say)
+            bar.update(task, description="writing the report")
+            write_report(report, out, report.stats, extra)
+    _print_overall(report)
+    console.print(f"report: {out / 'report.md'}, {out / 'report.json'}, plots {', '.join(report.info['plots'])}")
+
+
+@app.command()
+def report(folder: Annotated[Path, typer.Argument(help="Report folder written by duoserve-eval accuracy.")]) -> None:
+    """Print the summary tables of a saved report."""
+    from duoserve.evaluate.accuracy import load_report
+
+    with user_errors():
+        saved = load_report(folder)
+    info = saved.info
+    console.print(f"[bold]{folder}[/]: predictor {info['predictor']}, {info['evaluated_requests']} unseen requests, "
+                  f"{info['examples']} token-layer predictions")
+    _print_overall(saved)
+
+
+@app.command()
+def health(trace: Annotated[Path, typer.Argument(help="Trace folder.")]) -> None:
+    """Is the routing worth predicting? Per-layer load, task dependence, affinity predictability."""
+    from duoserve.evaluate.health import routing_health
+    from duoserve.trace.format import open_trace
+
+    with user_errors():
+        h = routing_health(open_trace(trace))
+    summary = table(f"routing health of {trace}", "figure", "value")
+    summary.add_row("experts used (worst layer)", f"{h['min_experts_used']}/{h['num_experts']}")
+    summary.add_row("max load / uniform (worst layer)", f"{h['max_over_uniform']:.2f}")
+    if "task_tv_per_layer" in h:
+        tv = h["task_tv_per_layer"]
+        summary.add_row("task total-variation per layer",
+                        f"{min(tv):.3f}-{max(tv):.3f} (mean {sum(tv) / len(tv):.3f})")
+    a = h["affinity"]
+    summary.add_row(f"affinity, {h['affinity_decode_tokens']} odd-request decode tokens",
+                    f"exact {a['exact_topk']:.3f}, at-least-half {a['at_least_half']:.3f}" if a else "n/a (none)")
+    summary.add_row("random choice, at-least-half", f"{h['random_at_least_half']:.3f}")
+    console.print(summary)
+
+
+if __name__ == "__main__":
+    app()

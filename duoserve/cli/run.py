@@ -1,0 +1,166 @@
+"""duoserve-run: serve an MoE model with its experts in host memory, and compare offload policies (stage 5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from duoserve.cli.common import (
+    ENGINE,
+    BudgetOption,
+    DtypeOption,
+    EagerOption,
+    LookaheadOption,
+    MinScoreOption,
+    ModelOption,
+    PolicyHelp,
+    console,
+    engine_settings,
+    gb,
+    new_app,
+    num,
+    progress,
+    table,
+    user_errors,
+)
+from duoserve.embedded import EMBEDDED_NAME
+from duoserve.runtime.policies import DEFAULT_POLICIES, POLICIES
+
+app = new_app("Serve an MoE model with its experts in host memory: dual-phase offload (stage 5).")
+
+
+@app.command()
+def policies() -> None:
+    """List the offload policies and what each does."""
+    listing = table("offload policies", "policy", "what it does")
+    for p in POLICIES.values():
+        listing.add_row(p.name, p.about)
+    console.print(listing)
+
+
+@app.command()
+def generate(
+    model: ModelOption = EMBEDDED_NAME,
+    prompt: Annotated[Optional[list[str]], typer.Option(
+        help="Prompt text; repeat for a batch. [default: one built-in SQuAD-style and one Orca-Math-style prompt]")]
+    = None,
+    predictor: Annotated[Optional[Path], typer.Option(help="Exported predictor folder (duoserve policy).")] = None,
+    policy: Annotated[str, typer.Option(help=PolicyHelp)] = "duoserve",
+    new_tokens: Annotated[int, typer.Option(help="Most tokens to generate (greedy; stops at EOS).")] = 64,
+    gpu_expert_budget: BudgetOption = None,
+    lookahead: LookaheadOption = ENGINE.lookahead,
+    eager: EagerOption = ENGINE.eager,
+    prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
+    dtype: DtypeOption = "auto",
+    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
+) -> None:
+    """Generate with the experts offloaded to host memory; print the texts and the run's figures."""
+    from duoserve.data.tasks import default_prompts
+    from duoserve.files import write_json
+    from duoserve.runtime.generation import generate as run_generate
+
+    with user_errors():
+        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score)
+        result = run_generate(model, prompt or default_prompts(), policy, predictor, new_tokens, settings, device,
+                              dtype)
+    for p, text in zip(result.prompts, result.texts):
+        console.print(f"[bold]{p[-60:]!r}[/] -> {text!r}")
+    timing, counters = result.timing, result.counters
+    figures = table(f"{result.policy} on {device}", "figure", "value")
+    figures.add_row("TTFT (s)", num(timing["ttft_s"]))
+    figures.add_row("time per output token (ms)", num(timing["tpot_ms"], ".2f"))
+    figures.add_row("end to end (s)", num(timing["e2e_s"]))
+    figures.add_row("peak GPU memory (GB)", gb(timing["peak_gpu_bytes"]))
+    if counters:
+        figures.add_row("host-to-device GB (prefill / decode)",
+                        f"{gb(counters['bytes_h2d']['prefill'])} / {gb(counters['bytes_h2d']['decode'])}")
+        figures.add_row("decode cache hit rate", num(counters["hit_rate"]["decode"]))
+        figures.add_row("stall waiting for copies (ms)", num(counters["stall_ms"], ".1f"))
+        figures.add_row("predictor (ms)", num(counters["predictor_ms"], ".1f"))
+        figures.add_row("expert copies via", counters["copy_path"])
+    console.print(figures)
+    if json_out:
+        write_json(json_out, result.to_dict())
+
+
+@app.command("bench")
+def bench_cmd(
+    model: ModelOption = EMBEDDED_NAME,
+    config_only: Annotated[bool, typer.Option(
+        help="Build the model from its config with random weights, on the device (no checkpoint needed).")] = False,
+    layers: Annotated[Optional[int], typer.Option(help="Config-only: keep this many decoder layers.")] = None,
+    policy: Annotated[Optional[list[str]], typer.Option(
+        help=f"Repeatable: {PolicyHelp} [default: {', '.join(DEFAULT_POLICIES)}]")] = None,
+    predictor: Annotated[Optional[list[str]], typer.Option(
+        help="Repeatable, for the duoserve policy: none, oracle, oracle:RECALL (knows the routing, keeps each "
+             "true expert with that probability) or a predictor folder. [default: none]")] = None,
+    routing: Annotated[str, typer.Option(
+        help="router (the model's own), random (uniform top-k, seeded) or a trace folder to replay.")] = "router",
+    batch_size: Annotated[Optional[list[int]], typer.Option(help="Repeatable. [default: 1]")] = None,
+    prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 512,
+    new_tokens: Annotated[int, typer.Option(help="Tokens generated per run.")] = 128,
+    baseline_new_tokens: Annotated[Optional[int], typer.Option(
+        help="Fewer tokens for the fetch-bound baselines (all but duoserve and all-resident).")] = None,
+    gpu_expert_budget: BudgetOption = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU for config-only), float32, bfloat16.")] = "auto",
+    seed: Annotated[int, typer.Option(help="Seed of prompts and random routing.")] = 0,
+    repeats: Annotated[int, typer.Option(
+        help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
+    lookahead: LookaheadOption = ENGINE.lookahead,
+    eager: EagerOption = ENGINE.eager,
+    prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
+    out: Annotated[Path, typer.Option(help="JSON result file (with the commit, machine and command).")]
+    = Path("bench.json"),
+) -> None:
+    """Run offload policies side by side: TTFT, time per token, peak memory, bytes, hit rate, and their bounds."""
+    from duoserve.bench.harness import BenchSettings, bench
+    from duoserve.bench.results import write_result
+
+    with user_errors():
+        s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
+                          policies=policy or list(DEFAULT_POLICIES), batch_sizes=batch_size or [1],
+                          prompt_len=prompt_len, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
+                          routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
+                          engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score))
+        with progress() as bar:
+            task = bar.add_task("policies", total=s.run_count())
+            result = bench(s, on_run=lambda run: bar.advance(task),
+                           on_status=lambda text: bar.update(task, description=text))
+    _print_bench(result, rounds=s.repeats > 1)
+    write_result(out, result)
+    console.print(f"results: {out}")
+
+
+def _print_bench(result: dict, rounds: bool) -> None:
+    bw = result["bandwidth"]
+    console.print(f"{result['device']}: copy bandwidth pinned {num(bw['pinned_gbps'], '.1f')} GB/s, "
+                  f"pageable {num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
+                  f"routing {result['routing']}")
+    round_col = ["round"] if rounds else []
+    latency = table("latency and memory", "policy", "predictor", "B", *round_col, "TTFT s", "bound", "TPOT ms",
+                    "bound", "peak GB")
+    traffic = table("host-to-device copies", "policy", "predictor", "B", *round_col, "prefill GB", "decode GB",
+                    "decode hits", "stall ms", "pred. ms")
+    for r in result["runs"]:
+        who = (r["policy"], r["predictor"] or "-", str(r["batch_size"]), *([str(r["round"])] if rounds else []))
+        latency.add_row(*who, num(r["ttft_s"]), num(r["prefill_bound_s"]), num(r["tpot_ms"], ".2f"),
+                        num(r["decode_bound_ms"], ".2f"), gb(r["peak_gpu_bytes"]))
+        if "bytes_h2d" in r:
+            traffic.add_row(*who, gb(r["bytes_h2d"]["prefill"]), gb(r["bytes_h2d"]["decode"]),
+                            num(r["hit_rate"]["decode"]), num(r["stall_ms"], ".0f"), num(r["predictor_ms"], ".0f"))
+    console.print(latency)
+    console.print(traffic)
+    if result["targets"]:
+        targets = table("targets", "B", "predictor", *round_col, "target", "value", "met")
+        for t in result["targets"]:
+            targets.add_row(str(t["batch_size"]), t["predictor"], *([str(t["round"])] if rounds else []),
+                            t["target"], num(t["value"], ".2f"), "yes" if t["met"] else "[red]no[/]")
+        console.print(targets)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,78 @@
+"""Load a transformers MoE model: from a hub id, a local path or the bundled default, or built from its config.
+
+Tracing, the runtime and the benchmarks all load models here, so they resolve names, devices and
+dtypes the same way.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from duoserve.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
+
+DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model or its tokenizer could not be loaded."""
+
+
+def resolve_model(model: str) -> str:
+    """The path or hub id to load for ``model`` ('embedded' names the bundled tiny MoE)."""
+    return str(EMBEDDED_MODEL) if model == EMBEDDED_NAME else model
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' is this rank's GPU (``LOCAL_RANK``) where there is one, else the CPU."""
+    if device == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        return torch.device("cpu")
+    return torch.device(device)
+
+
+def _dtype(dtype: str):
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
+    """Model (eval mode, on ``device``) and tokenizer (left padding) from a hub id, a local path or 'embedded'."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch_dtype = _dtype(dtype)
+    path = resolve_model(model)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
+        net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
+    except (OSError, ValueError, KeyError) as err:
+        raise ModelLoadError(f"could not load model {model!r}: {err}") from err
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return net.to(resolve_device(device)).eval(), tokenizer
+
+
+def model_from_config(model: str, device: torch.device, dtype: str = "auto", layers: int | None = None):
+    """The model (eval mode) built from ``model``'s config with random weights, directly on ``device``; ``layers``
+    keeps that many decoder layers. dtype 'auto' is bfloat16 on a GPU, float32 on the CPU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch_dtype = _dtype(dtype)
+    try:
+        config = AutoConfig.from_pretrained(resolve_model(model))
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not read a config for {model!r}: {err}") from err
+    if layers:
+        text = config.get_text_config()
+        text.num_hidden_layers = layers
+        if getattr(text, "layer_types", None):
+            text.layer_types = text.layer_types[:layers]
+    if torch_dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        net = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
+    return net.eval()

@@ -1,0 +1,74 @@
+"""The fetch schedule of calls whose experts do not all fit in the cache at once: prefill, and large decode batches.
+
+Experts already cached are computed first; every other routed expert is fetched once, in groups of
+half the cache, and each group is computed as soon as it lands. With a copy stream (policies with
+``overlap``) the next group's copies are queued before this group's compute, so the copy stream
+always has work while the host queues compute; without one (on-demand), each group is copied on
+the compute stream and waited for.
+
+Shape legend: T tokens of the call, H hidden size, n (token, expert) pairs of a group.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duoserve.runtime.cache import ExpertCache
+from duoserve.runtime.experts import Routing, SlotCompute
+from duoserve.runtime.store import HostExperts
+from duoserve.runtime.streams import EngineTimers, Streams
+
+
+class GroupedFetch:
+    """Fetch-and-compute in groups over ``cache`` for a layer call (see the module docstring)."""
+
+    def __init__(self, cache: ExpertCache, stores: list[HostExperts], streams: Streams, timers: EngineTimers,
+                 compute: SlotCompute, overlap: bool):
+        self.cache, self.stores, self.streams, self.timers, self.compute = cache, stores, streams, timers, compute
+        self.stream = streams.copy if overlap else streams.compute
+        self.overlap = overlap
+
+    def compute_cached(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                       hits: dict[int, int]) -> torch.Tensor:
+        """T x H fp32 sum of layer ``l``'s cached experts ``hits`` (expert -> slot), computed first in one group."""
+        timers = self.timers
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
+        if hits:
+            with timers.cpu("queue compute"):
+                rows = self.compute.upload(routing.rows(hits, self.cache.slots))  # before this call's copies
+            with timers.stall.span():
+                self.cache.wait_ready(hits.values())
+            with timers.cpu("queue compute"):
+                self.compute.add_group(l, hidden, weights, rows, hits, out)
+        return out
+
+    def fetch_missing(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
+                      missing: list[int], phase: str, out: torch.Tensor) -> torch.Tensor:
+        """Fetch ``missing`` experts in groups of half the cache, each computed into ``out`` (T x H, fp32) as soon as
+        it lands; returns ``out`` in the hidden states' dtype. A group's pair rows travel on its stream right after
+        its experts: host-to-device copies run in order, so rows uploaded on the compute stream would wait behind
+        the next group's copies, and this group's compute with them."""
+        cache, stream, timers = self.cache, self.stream, self.timers
+        chunk = max(1, cache.slots // 2)
+        groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
+        depth = 2 if self.overlap and 2 * chunk <= cache.slots else 1  # groups fetched, not computed
+        queued: list[tuple[dict[int, int], torch.Tensor]] = []  # (expert -> slot, rows) of each fetched group
+        for i in range(len(groups)):
+            with timers.stall.span():
+                while len(queued) < depth and i + len(queued) < len(groups):
+                    experts = groups[i + len(queued)]
+                    keep = {(l, e) for group, _ in queued for e in group}  # not computed yet: not to be refilled
+                    with timers.cpu("queue fetches"):
+                        slots = cache.fetch(l, experts, self.stores[l], phase, keep, stream, seal=False)
+                        fetched = dict(zip(experts, slots))
+                        with self.streams.on(stream):
+                            rows = self.compute.upload(routing.rows(fetched, cache.slots))
+                        cache.seal(slots, stream)
+                        if stream is not self.streams.compute:  # allocated on the copy stream, read on compute
+                            rows.record_stream(self.streams.compute)
+                    queued.append((fetched, rows))
+                group, rows = queued.pop(0)
+                cache.wait_ready(group.values())
+            with timers.cpu("queue compute"):
+                self.compute.add_group(l, hidden, weights, rows, group, out)
+        return out.to(hidden.dtype)

@@ -1,0 +1,44 @@
+"""The engine's knobs, declared once: the engine, the bench harness and the CLI all read this object."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {"": 1, "b": 1, "kb": 1e3, "mb": 1e6, "gb": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '512MiB', '1.5GB' or a plain number of bytes."""
+    match = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"cannot read {text!r} as a size; write e.g. 8GiB, 512MiB or 2GB")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """How ``OffloadEngine`` schedules expert copies.
+
+    ``gpu_expert_budget``: bytes of device memory for cached experts (at least top-k of them); replaces the default
+    of (1 + lookahead) x k slots of the caching policies (duoserve, lru); the others hold what their schedule needs.
+    ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a step
+    predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor scores the next layer
+    from the layers before it, so it needs d = 1; oracles take any d.
+    ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
+    ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
+    are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
+    """
+
+    gpu_expert_budget: int | None = None
+    lookahead: int = 1
+    eager: bool = False
+    prefetch_min_score: float = 0.0
+
+    def __post_init__(self):
+        if self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
+            raise ValueError(f"the GPU expert budget must be positive, got {self.gpu_expert_budget} bytes")
+        if self.lookahead < 1:
+            raise ValueError(f"look-ahead must be at least 1 layer, got {self.lookahead}")
+        if not 0.0 <= self.prefetch_min_score <= 1.0:
+            raise ValueError(f"the prefetch minimum score must be in [0, 1], got {self.prefetch_min_score}")
