@@ -31,10 +31,13 @@ demo: setup
 test: setup
 	$(PY) -m pytest -q
 
+# the CPU benchmarks; each writes its latest result (with commit, machine and command) to benchmarks/results/
 bench: setup
 	$(PY) benchmarks/trace_overhead.py --out benchmarks/results/trace_overhead_cpu.json
-	$(PY) benchmarks/predictor_latency.py --out benchmarks/results/predictor_latency_cpu.json
-	$(PY) benchmarks/stats_throughput.py --out benchmarks/results/stats_throughput_cpu.json
+	$(PY) benchmarks/predictor_latency.py --iters 300 --out benchmarks/results/predictor_latency_cpu.json
+	$(PY) benchmarks/stats_throughput.py --rows 400000 --out benchmarks/results/stats_throughput_cpu.json
+	$(PY) benchmarks/eval_throughput.py --out benchmarks/results/eval_throughput_cpu.json
+	$(PY) benchmarks/import_throughput.py --out benchmarks/results/import_throughput_cpu.json
 
 clean:
 	rm -rf $(OUT)

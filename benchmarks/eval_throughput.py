@@ -4,24 +4,21 @@
 
 Synthetic routing (uniformly random, the work does not depend on it) in the embedded model's
 geometry. Times, per scorer, the evaluation engine (`hits_at_budgets`: scores, top-b, overlap with
-the routed set at 3 budgets) and then `summarize` (the per phase / dataset / layer tables). The
+the routed set at 3 budgets) and then `metrics_table` (the per phase / dataset / layer tables). The
 trained-MLP row uses the paper's widths; the issue's target is "1M predictions in under a minute".
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, random_routing, write_result  # noqa: E402
-
+from duoserve.bench.drivers import random_ids
+from duoserve.bench.results import parser, write_result
 from duoserve.evaluate import scorers as S
-from duoserve.evaluate.accuracy import hits_at_budgets, summarize
+from duoserve.evaluate.accuracy import hits_at_budgets, metrics_table
 from duoserve.features.examples import RoutingTable, make_examples
 from duoserve.features.stats import stats_from_ids
 from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
@@ -30,7 +27,7 @@ from duoserve.trace.format import TraceMeta
 
 def synthetic_table(tokens: int, L: int, E: int, k: int) -> RoutingTable:
     rng = np.random.default_rng(0)
-    ids = random_routing(rng, tokens, L, E, k).astype(np.int16)
+    ids = random_ids(rng, tokens, L, E, k).astype(np.int16)
     meta = TraceMeta(model="synthetic", num_layers=L, num_experts=E, top_k=k, decoder_indices=list(range(L)),
                      datasets=[], lookahead=1)
     request = np.arange(tokens) // 100
@@ -50,7 +47,7 @@ def main() -> None:
     pop, aff = torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity)
     mlp = ExpertPredictor(FeatureSpec(L, E, k, L - 1), PAPER_WIDTHS, 0.1, pop, aff).eval()
     scorers = [S.Popularity(pop), S.AffinityMarkov(aff), S.NextGate(), S.PreviousToken(table, pop), S.Oracle(),
-               S.TrainedPredictor(mlp)]
+               S.TrainedMLP(mlp)]
     budgets = [k, k + 1, k + 2]
     seconds, hits = {}, {}
     for scorer in scorers:
@@ -60,12 +57,12 @@ def main() -> None:
         print(f"{scorer.name:16s} {len(ev) / seconds[scorer.name]:12,.0f} predictions/s  "
               f"({seconds[scorer.name]:.1f} s for {len(ev):,})", flush=True)
     t = time.perf_counter()
-    summarize(hits, ev, budgets)
-    seconds["summarize (all scorers)"] = time.perf_counter() - t
+    metrics_table(hits, ev, budgets)
+    seconds["tables (all scorers)"] = time.perf_counter() - t
     baselines = sum(v for n, v in seconds.items() if n != "trained MLP")
-    print(f"summarize: {seconds['summarize (all scorers)']:.1f} s; five baselines + tables: {baselines:.1f} s "
+    print(f"tables: {seconds['tables (all scorers)']:.1f} s; five baselines + tables: {baselines:.1f} s "
           f"for {len(ev):,} predictions each; the paper-width MLP alone: {seconds['trained MLP']:.1f} s")
-    write_result(args.out, {"benchmark": "eval_throughput", "command": " ".join(sys.argv),
+    write_result(args.out, {"benchmark": "eval_throughput",
                                         "predictions": len(ev), "geometry": {"L": L, "E": E, "k": k},
                                         "threads": 1, "seconds": seconds})
 

@@ -10,7 +10,6 @@ scan first). Target (issue): 10M rows in under 2 minutes.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -18,9 +17,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, random_routing, write_result  # noqa: E402
-
+from duoserve.bench.drivers import random_ids
+from duoserve.bench.results import parser, write_result
 from duoserve.trace.importers import ImportSettings, import_trace
 
 
@@ -30,7 +28,7 @@ def write_log(path: Path, rows: int, L: int, E: int, k: int) -> None:
     with path.open("w") as f:
         for start in range(0, tokens, 20_000):
             n = min(20_000, tokens - start)
-            ids = random_routing(rng, n, L, E, k)
+            ids = random_ids(rng, n, L, E, k)
             token = np.arange(start, start + n)
             f.writelines(f'{{"request_id": {t // 500}, "token": {t % 500}, "layer": {l}, "experts": {json.dumps(e)}}}\n'
                          for t, per_layer in zip(token.tolist(), ids.tolist()) for l, e in enumerate(per_layer))
@@ -57,7 +55,7 @@ def main() -> None:
             print(f"geometry {name}: {rows:,} rows in {seconds[name]:.1f} s = {rows / seconds[name]:,.0f} rows/s "
                   f"(target: 10M rows in 120 s)", flush=True)
     rows = (args.rows // L) * L
-    write_result(args.out, {"benchmark": "import_throughput", "command": " ".join(sys.argv), "rows": rows,
+    write_result(args.out, {"benchmark": "import_throughput", "rows": rows,
                             "geometry": {"L": L, "E": E, "k": k}, "threads": 1, "seconds": seconds,
                             "rows_per_s": {n: rows / s for n, s in seconds.items()}})
 

@@ -16,30 +16,18 @@ from __future__ import annotations
 
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, write_result  # noqa: E402
-
-from duoserve.predictor.fast import GraphedPredictor, SparseHistoryPredictor, fold_batchnorm
-from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
-
-
-def random_predictor(L: int, E: int, k: int, widths) -> ExpertPredictor:
-    torch.manual_seed(0)
-    pop = torch.rand(L, E)
-    aff = torch.rand(L - 1, E, E)
-    model = ExpertPredictor(FeatureSpec(L, E, k, L - 1), widths, 0.1, pop / pop.sum(1, keepdim=True),
-                            aff / aff.sum(2, keepdim=True))
-    for m in model.mlp:
-        if isinstance(m, torch.nn.BatchNorm1d):
-            m.running_mean.uniform_(-0.1, 0.1)
-            m.running_var.uniform_(0.5, 2.0)
-    return model.eval()
+from duoserve.bench.results import parser, write_result
+from duoserve.bench.shapes import random_predictor
+from duoserve.predictor.fast import (
+    GraphedPredictor,
+    SparseHistoryPredictor,
+    fold_batchnorm,
+)
+from duoserve.predictor.model import PAPER_WIDTHS
 
 
 def time_calls(fn, device: torch.device, iters: int) -> float:
@@ -126,7 +114,7 @@ def main() -> None:
             fn()
         results[name] = time_calls(fn, device, args.iters)
     report = {
-        "benchmark": "predictor_latency", "command": " ".join(sys.argv), "geometry": {"L": L, "E": E, "k": k},
+        "benchmark": "predictor_latency", "geometry": {"L": L, "E": E, "k": k},
         "widths": list(PAPER_WIDTHS), "input_dim": model.spec.input_dim, "parameters_and_buffers": params,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": 1,

@@ -11,28 +11,28 @@ k copies (the host's issue time only; the device drains the copies untimed betwe
   cudart          cudaMemcpyAsync called through ctypes on raw pointers (the engine's ``runtime_memcpy``)
   cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event)
 
-    python3 benchmarks/runtime_copy_issue.py [--expert-mb 9.4] [--group 8] [--groups 200]
+    python3 benchmarks/runtime_copy_issue.py [--expert-mb 9.4] [--group 8] [--groups 200] [--out FILE.json]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
 
+from duoserve.bench.results import parser, write_result
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.store import ExpertLayout, HostExperts
 from duoserve.runtime.streams import Streams, runtime_memcpy
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--expert-mb", type=float, default=9.4)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--groups", type=int, default=200)
-    args = parser.parse_args()
+    ap = parser(__doc__, geometry=None)
+    ap.add_argument("--expert-mb", type=float, default=9.4)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--groups", type=int, default=200)
+    args = ap.parse_args()
     device = torch.device("cuda")
     P, k = int(args.expert_mb * 1e6 / 2), args.group
     E = 2 * k
@@ -87,10 +87,15 @@ def main() -> None:
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {nbytes / 1e6:.1f} MB, groups of {k}, "
           f"{args.groups} groups; host us per copy queued (median, p90); copies landed intact: {ok}")
     base = statistics.median(times["torch copy_"])
+    summary = {}
     for name, t in times.items():
         t = sorted(t)
-        med = statistics.median(t)
-        print(f"  {name:12s} {med:6.2f} {t[int(0.9 * len(t))]:6.2f}   {med / base:.2f}x of torch copy_")
+        med, p90 = statistics.median(t), t[int(0.9 * len(t))]
+        summary[name] = {"median_us": med, "p90_us": p90, "vs_torch_copy": med / base}
+        print(f"  {name:12s} {med:6.2f} {p90:6.2f}   {med / base:.2f}x of torch copy_")
+    write_result(args.out, {"benchmark": "runtime_copy_issue", "device": torch.cuda.get_device_name(),
+                            "expert_mb": nbytes / 1e6, "group": k, "groups": args.groups, "landed_intact": ok,
+                            "host_us_per_copy": summary})
 
 
 if __name__ == "__main__":

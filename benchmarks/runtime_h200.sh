@@ -1,24 +1,19 @@
 #!/usr/bin/env bash
-# The offload runtime on the H200, exactly as run for benchmarks/results/runtime_*_h200.json:
-# real model configs (Qwen3-30B-A3B, Mixtral-8x7B) with random bf16 weights, fewer layers than the
-# real models so that two host copies of the experts (pinned packed, pageable per module) fit in
-# the machine's 128 GiB, uniform random top-k routing (random weights make routers degenerate).
-# The defaults are the committed runs' settings (prompt 512, 128 new tokens, B=1 and 8). One call of the device's
-# 10 minutes fits Mixtral (6 min) but one Qwen batch size only (3 and 5.5 min); SUFFIX names the result file:
+# The offload runtime on the H200: `duoserve-run bench` on real model configs (Qwen3-30B-A3B, Mixtral-8x7B) with
+# random bf16 weights, fewer layers than the real models so that two host copies of the experts (pinned packed,
+# pageable per module) fit in the machine's 128 GiB, and uniform random top-k routing (random weights make routers
+# degenerate). Defaults: prompt 512, 128 new tokens, B=1 and 8, two interleaved rounds. One device call of 10
+# minutes fits Mixtral (6 min) or one Qwen batch size (3 and 5.5 min); SUFFIX names the result file:
 #   MODELS=mixtral-8x7b bash benchmarks/runtime_h200.sh                           -> runtime_mixtral-8x7b_h200.json
 #   SUFFIX=_b1 BATCHES=1 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b1_h200.json
 #   SUFFIX=_b8 BATCHES=8 MODELS=qwen3-30b-a3b bash benchmarks/runtime_h200.sh     -> runtime_qwen3-30b-a3b_b8_h200.json
-# B1_REPEATS=6 bash benchmarks/runtime_h200.sh runs only Qwen's B=1 duoserve-vs-bound comparison, over that many
-# rounds (benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json; SUFFIX is added to the name): host-bound
-# ratios drift between rounds. QWEN_PREDICTORS=oracle:1 B1_REPEATS=10 SUFFIX=_oracle pairs only the all-resident bound
-# and the oracle, so each round's two runs are seconds apart (runtime_qwen3-30b-a3b_b1_repeats_oracle_h200.json); the
-# committed 915a69a rounds ran as four such runs of three rounds each, in one device command:
-#   for i in 1 2 3 4; do QWEN_PREDICTORS=oracle:1 B1_REPEATS=3 SUFFIX=_oracle$i bash benchmarks/runtime_h200.sh; done
-# and python benchmarks/runtime_rounds.py FILES... pools their rounds.
-# PREDICTOR_COST=1 bash benchmarks/runtime_h200.sh runs Qwen with a predictor artifact of the paper's widths and random
-# weights (a trained predictor's device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
-# (benchmarks/results/runtime_qwen3-30b-a3b_predictor_cost_h200.json, run with NEW_TOKENS=64).
-# python3 there has torch and transformers; PYTHONPATH holds this repo.
+# B1_REPEATS=N: only Qwen's B=1 duoserve-vs-bound comparison, over N rounds (host-bound ratios drift between
+#   rounds; QWEN_PREDICTORS=oracle:1 pairs just the bound and the oracle) -> runtime_qwen3-30b-a3b_b1_repeats_h200.json;
+#   python benchmarks/runtime_rounds.py FILES pools the rounds of one or more such files.
+# PREDICTOR_COST=1: Qwen with a predictor artifact of the paper's widths and random weights (a trained predictor's
+#   device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
+#   -> runtime_qwen3-30b-a3b_predictor_cost_h200.json.
+# Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 QWEN_LAYERS=${QWEN_LAYERS:-16}
@@ -32,18 +27,12 @@ MIXTRAL_PREDICTORS=${MIXTRAL_PREDICTORS:-"oracle:1 none"}
 MIXTRAL_BUDGET=${MIXTRAL_BUDGET:-705MB}
 MODELS=${MODELS:-"qwen3-30b-a3b mixtral-8x7b"}
 SHAPES=$(mktemp -d)
-python3 - "$SHAPES" <<'PY'
-import sys
-sys.path.insert(0, "benchmarks")
-from common import shape_config
-for name in ("qwen3-30b-a3b", "mixtral-8x7b"):
-    shape_config(name).save_pretrained(f"{sys.argv[1]}/{name}")
-PY
+for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-2}"
       --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy accelerate
       --policy lru --policy full-layer --policy all-resident)
 for b in $BATCHES; do args+=(--batch-size "$b"); done
-bench() { python3 -c 'from duoserve.cli import run_app; run_app()' bench "$@"; }
+bench() { python3 -m duoserve.cli.run bench "$@"; }
 if [ -n "${B1_REPEATS:-}" ]; then
     extra=(); for p in $QWEN_PREDICTORS; do extra+=(--predictor "$p"); done
     bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
@@ -55,11 +44,9 @@ if [ -n "${PREDICTOR_COST:-}" ]; then
     predictor=$SHAPES/random-weights-predictor
     python3 - "$predictor" "$QWEN_LAYERS" <<'PY'
 import sys
-sys.path.insert(0, "benchmarks")
-from predictor_latency import random_predictor
+from duoserve.bench.shapes import random_predictor
 from duoserve.predictor.artifact import save_predictor
-from duoserve.predictor.model import PAPER_WIDTHS
-save_predictor(random_predictor(int(sys.argv[2]), 128, 8, PAPER_WIDTHS), sys.argv[1],
+save_predictor(random_predictor(int(sys.argv[2]), 128, 8), sys.argv[1],
                {"note": "random weights: a trained predictor's cost in the runtime, not its accuracy"}, [])
 PY
     bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \

@@ -7,43 +7,35 @@ not the experts' arithmetic, is what the sections measure: duoserve with an orac
 routing, prompt 32, B=1, several rounds. It prints each round's time per token (on the CPU that includes the
 experts' arithmetic: no bound to compare with) and the engine's host sections (``host_ms``) per decode layer, in
 microseconds. First it times reading and sorting one call's routing (``Routing`` and its ``rows``) both ways,
-in lists and in numpy, by pairs per call: where ``experts.SMALL_CALL`` switches between them.
+in lists and in numpy, by pairs per call: where ``duoserve.runtime.experts.SMALL_CALL`` switches between them.
 
     python benchmarks/runtime_host_cpu.py [--rounds 3] [--new-tokens 64] [--layers 16] [--out FILE.json]
 
-To compare two commits, run it in a worktree of each (``git worktree add /tmp/old REV``; ``PYTHONPATH=/tmp/old``),
-alternately: the machine's pace drifts.
+To compare two versions, run it in a worktree of each, alternately: the machine's pace drifts.
 """
 
 from __future__ import annotations
 
-import sys
 import tempfile
 import timeit
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, shape_config, write_result  # noqa: E402
-
-from duoserve.runtime import experts  # noqa: E402
-from duoserve.runtime.bench import BenchSettings, bench  # noqa: E402
-from duoserve.runtime.sources import RandomRouting  # noqa: E402
+from duoserve.bench.drivers import RandomRouting
+from duoserve.bench.harness import BenchSettings, bench
+from duoserve.bench.results import parser, write_result
+from duoserve.bench.shapes import shape_config
+from duoserve.runtime.experts import SMALL_CALL, Routing
 
 TINY_WIDTHS = {"vocab_size": 512, "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32,
                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16}
 
 
 def sort_us(tokens: int, num_experts: int, top_k: int, small_call: int) -> float:
-    """Microseconds to read and sort one call's routing into its pair rows, every expert in its own slot, with
-    ``experts.SMALL_CALL`` set to ``small_call``."""
+    """Microseconds to read and sort one call's routing into its pair rows, every expert in its own slot, sorting
+    in lists up to ``small_call`` pairs."""
     idx = RandomRouting(1, num_experts, top_k, seed=tokens).begin(tokens)[0]  # T x k
-    default, experts.SMALL_CALL = experts.SMALL_CALL, small_call
-    try:
-        slots = {e: s for s, e in enumerate(experts.Routing(idx, num_experts).needed)}
-        num_slots = max(2 * top_k, len(slots))
-        runs = timeit.repeat(lambda: experts.Routing(idx, num_experts).rows(slots, num_slots), number=500, repeat=3)
-    finally:
-        experts.SMALL_CALL = default
+    slots = {e: s for s, e in enumerate(Routing(idx, num_experts).needed)}
+    num_slots = max(2 * top_k, len(slots))
+    runs = timeit.repeat(lambda: Routing(idx, num_experts, small_call).rows(slots, num_slots), number=500, repeat=3)
     return min(runs) / 500 * 1e6
 
 
@@ -58,7 +50,7 @@ def main() -> None:
     for tokens in (1, 8, 16, 24, 32):
         lists, arrays = sort_us(tokens, E, k, small_call=1 << 30), sort_us(tokens, E, k, small_call=0)
         print(f"routing of {tokens * k:3d} pairs: lists {lists:6.1f} us, numpy {arrays:6.1f} us"
-              f"{'  <- lists (SMALL_CALL)' if tokens * k <= experts.SMALL_CALL else ''}")
+              f"{'  <- lists (SMALL_CALL)' if tokens * k <= SMALL_CALL else ''}")
     with tempfile.TemporaryDirectory() as folder:
         config.save_pretrained(folder)
         report = bench(BenchSettings(model=folder, config_only=True, device="cpu", dtype="float32",

@@ -29,12 +29,12 @@ from dataclasses import replace
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from duoserve.runtime.bench import BenchSettings, build_model, run_policy
-from duoserve.runtime.generate import parse_bytes
+from duoserve.bench.harness import BenchSettings, build_model, run_policy
+from duoserve.discovery import find_moe_layers
+from duoserve.loading import resolve_device
 from duoserve.runtime.policies import get_policy
+from duoserve.runtime.settings import EngineSettings, parse_bytes
 from duoserve.runtime.store import HostExperts, take_experts
-from duoserve.trace.collect import resolve_device
-from duoserve.trace.hooks import find_moe_layers
 
 SECTIONS = ("wait for routing", "queue compute", "queue fetches", "queue predictor", "wait for predictor",
             "queue prefetch")
@@ -42,19 +42,23 @@ SECTIONS = ("wait for routing", "queue compute", "queue fetches", "queue predict
 
 @contextmanager
 def named_passes(model):
-    """Name each forward pass in the trace ("prefill" or "decode"); undone on exit."""
-    forward = model.forward
+    """Name each forward pass in the trace ("prefill" or "decode") with forward hooks; removed on exit."""
+    marks = []
 
-    def named(*args, **kwargs):
+    def begin(module, args, kwargs):
         ids = kwargs.get("input_ids")
-        with record_function("prefill" if ids is not None and ids.shape[1] > 1 else "decode"):
-            return forward(*args, **kwargs)
+        marks.append(record_function("prefill" if ids is not None and ids.shape[1] > 1 else "decode"))
+        marks[-1].__enter__()
 
-    model.forward = named
+    def end(module, args, out):
+        marks.pop().__exit__(None, None, None)
+
+    handles = [model.register_forward_pre_hook(begin, with_kwargs=True), model.register_forward_hook(end)]
     try:
         yield
     finally:
-        del model.forward
+        for handle in handles:
+            handle.remove()
 
 
 @contextmanager
@@ -111,8 +115,8 @@ def host_split(model, stores, s: BenchSettings, ids: torch.Tensor, specs: list[s
     experts calls (means over the timed run)."""
     for spec in specs:
         name, _, predictor = spec.removesuffix("+eager").partition(":")
-        run, inside, between = split_run(model, stores, replace(s, eager=spec.endswith("+eager")), ids, name,
-                                         predictor or "none")
+        eager = replace(s, engine=replace(s.engine, eager=spec.endswith("+eager")))
+        run, inside, between = split_run(model, stores, eager, ids, name, predictor or "none")
         print(f"{spec}: TPOT {run['tpot_ms']:.2f} ms; per layer, ms: inside experts {inside:.3f}, between {between:.3f}"
               f"; host {run['host_op_us']:.1f} us/op")
 
@@ -233,7 +237,7 @@ def main() -> None:
     if a.model is None:
         ap.error("a model folder is needed to profile (or --timeline TRACE)")
     s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens,
-                      gpu_expert_budget=a.gpu_expert_budget)
+                      engine=EngineSettings(gpu_expert_budget=a.gpu_expert_budget))
     device = resolve_device("auto")
     model, stores, ids = setup(s, a.batch_size, device)
     if a.host_split:

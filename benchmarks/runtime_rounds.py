@@ -16,7 +16,7 @@ import json
 import statistics
 from collections import defaultdict
 
-from duoserve.runtime.bench import BOUND_LIMIT
+from duoserve.bench.targets import BOUND_LIMIT
 
 
 def _span(values: list[float], digits: int = 1) -> str:

@@ -14,7 +14,6 @@ worker process per part file, up to the machine's cores (`duoserve-train stats -
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -22,9 +21,8 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, random_routing, write_result  # noqa: E402
-
+from duoserve.bench.drivers import random_ids
+from duoserve.bench.results import parser, write_result
 from duoserve.features.stats import compute_stats
 from duoserve.trace.format import TraceMeta, open_trace
 from duoserve.trace.writer import TraceWriter
@@ -37,7 +35,7 @@ def synthetic_trace(out: Path, rows: int, L: int, E: int, k: int) -> None:
     rng = np.random.default_rng(0)
     for start in range(0, rows, 50_000):
         n = min(50_000, rows - start)
-        ids = random_routing(rng, n, L, E, k).astype(np.int16)
+        ids = random_ids(rng, n, L, E, k).astype(np.int16)
         writer.add({"request_id": np.arange(start, start + n) // 100, "dataset": np.full(n, "synthetic", dtype=object),
                     "phase": np.full(n, "decode", dtype=object), "position": np.zeros(n, np.int32),
                     "token_id": np.zeros(n, np.int32), "experts": ids.reshape(n, -1),
@@ -83,7 +81,7 @@ def main() -> None:
     assert (parallel.affinity_counts == stats.affinity_counts).all()
     gemm = gemm_ceiling_rows_per_s(args.layers, args.experts, args.top_k)
     report = {
-        "benchmark": "stats_throughput", "command": " ".join(sys.argv), "rows": args.rows,
+        "benchmark": "stats_throughput", "rows": args.rows,
         "geometry": {"L": args.layers, "E": args.experts, "k": args.top_k}, "threads": 1,
         "read_only_rows_per_s": args.rows / read_s, "stats_rows_per_s": args.rows / stats_s,
         "stats_vs_read_time_ratio": stats_s / read_s, "gemm_ceiling_rows_per_s": gemm,

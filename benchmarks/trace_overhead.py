@@ -12,17 +12,16 @@ from __future__ import annotations
 
 import platform
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import parser, shape_config, write_result  # noqa: E402
-
-from duoserve.trace.collect import load_model, rows_from_records  # noqa: E402
-from duoserve.trace.hooks import RoutingRecorder, find_moe_layers, moe_geometry  # noqa: E402
+from duoserve.bench.results import parser, write_result
+from duoserve.bench.shapes import shape_config
+from duoserve.discovery import find_moe_layers, moe_geometry
+from duoserve.loading import load_model
+from duoserve.trace.collect import rows_from_records
+from duoserve.trace.hooks import RoutingRecorder
 
 
 def build(args):
@@ -48,7 +47,7 @@ def sync(device: torch.device) -> None:
 def main() -> None:
     ap = parser(__doc__, None)
     ap.add_argument("--model", default="embedded")
-    ap.add_argument("--shape", default=None, help="random-weight model of a real shape (see common.py)")
+    ap.add_argument("--shape", default=None, help="random-weight model of a real shape (duoserve.bench.shapes)")
     ap.add_argument("--layers", type=int, default=None, help="fewer layers than the shape has")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="auto")
@@ -99,7 +98,7 @@ def main() -> None:
               f"{best['traced'] / best['untraced']:.3f}x min", flush=True)
 
     report = {
-        "benchmark": "trace_overhead", "command": " ".join(sys.argv), "model": args.shape or args.model,
+        "benchmark": "trace_overhead", "model": args.shape or args.model,
         "layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "dtype": str(next(model.parameters()).dtype),

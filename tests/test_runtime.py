@@ -315,13 +315,12 @@ def test_routing_keeps_each_experts_pairs_in_token_order(num_experts):
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 40])
-def test_small_calls_sort_their_pairs_in_lists_exactly_as_numpy_does(monkeypatch, tokens):
+def test_small_calls_sort_their_pairs_in_lists_exactly_as_numpy_does(tokens):
     E, k = 24, 4
     idx = RandomRouting(1, E, k, seed=tokens).begin(tokens)[0]  # T x k
     lists = Routing(idx, E)
     assert (lists._flat is not None) == (tokens * k <= experts_module.SMALL_CALL)
-    monkeypatch.setattr(experts_module, "SMALL_CALL", 0)
-    arrays = Routing(idx, E)
+    arrays = Routing(idx, E, small_call=0)
     assert arrays._flat is None
     assert lists.needed == arrays.needed
     rng = np.random.default_rng(tokens)

@@ -202,8 +202,8 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     warm = [order[0]] + [p for p in order if not p.resident][:1 if order[0].resident else 0]
     for batch in s.batch_sizes:
         input_ids = torch.randint(vocab, (batch, s.prompt_len), generator=generator).to(device)
-        # untimed: on the H200 the process's first offload run, and the first run at a new batch size
-        # (all-resident too), were up to 2-7x slower than later ones
+        # untimed: a process's first offload run, and the first run at a new batch size (all-resident too), pay
+        # kernel loading and allocator growth that later runs do not
         for policy in warm:
             say(f"warm-up {policy.name} B={batch} (untimed)")
             run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,

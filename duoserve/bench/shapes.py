@@ -1,4 +1,5 @@
-"""Real MoE model shapes, built with random weights from their configs: no hub, no checkpoint needed.
+"""Real MoE model shapes, built with random weights from their configs (no hub, no checkpoint), and predictors of
+a given geometry with random weights.
 
 Shape values copied from the models' published config.json files (architecture numbers only).
 """
@@ -6,6 +7,10 @@ Shape values copied from the models' published config.json files (architecture n
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
+
+from duoserve.predictor.model import PAPER_WIDTHS, ExpertPredictor, FeatureSpec
 
 SHAPES = {
     "qwen3-30b-a3b": ("qwen3_moe", dict(
@@ -36,6 +41,20 @@ def save_shape(name: str, folder: str | Path, num_layers: int | None = None, **o
     """Write the named shape's config.json into ``folder``: a model path for ``--config-only`` runs."""
     shape_config(name, num_layers, **overrides).save_pretrained(folder)
     return Path(folder)
+
+
+def random_predictor(L: int, E: int, k: int, widths: tuple[int, ...] = PAPER_WIDTHS) -> ExpertPredictor:
+    """A predictor of the given geometry with random weights and statistics (seeded): its cost, not its accuracy."""
+    torch.manual_seed(0)
+    pop = torch.rand(L, E)
+    aff = torch.rand(L - 1, E, E)
+    model = ExpertPredictor(FeatureSpec(L, E, k, L - 1), widths, 0.1, pop / pop.sum(1, keepdim=True),
+                            aff / aff.sum(2, keepdim=True))
+    for m in model.mlp:
+        if isinstance(m, torch.nn.BatchNorm1d):
+            m.running_mean.uniform_(-0.1, 0.1)
+            m.running_var.uniform_(0.5, 2.0)
+    return model.eval()
 
 
 if __name__ == "__main__":  # python -m duoserve.bench.shapes NAME FOLDER: a config folder for shell scripts

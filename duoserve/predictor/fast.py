@@ -75,8 +75,8 @@ class SparseHistoryPredictor(nn.Module):
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
-    ``sparse`` uses the embedding-bag first layer (fewer bytes; on the H200 the dense GEMV was as
-    fast, see benchmarks/results); ``dtype`` applies to the weights and statistics; ``compile`` runs
+    ``sparse`` uses the embedding-bag first layer (fewer bytes; on a GPU the dense GEMV may be as
+    fast: docs/benchmarks.md); ``dtype`` applies to the weights and statistics; ``compile`` runs
     the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
     the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 

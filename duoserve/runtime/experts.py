@@ -33,24 +33,22 @@ from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.streams import EngineTimers, Streams
 
 # pairs (T*k) up to which a call's routing is sorted with plain lists: a decode call's few dozen pairs, where
-# numpy's cost per call outweighs the work. Reading and sorting a Qwen3 layer's on the CI CPU
-# (benchmarks/runtime_host_cpu.py prints both): 10 us in lists against 32 us in numpy at 8 pairs, 71 against 89
-# at 128, even from about 190
+# numpy's fixed cost per call outweighs the work (docs/benchmarks.md gives the measured crossover)
 SMALL_CALL = 128
 
 
 class Routing:
     """A layer call's routing, read to the host once: which experts, and its (token, expert) pairs by expert."""
 
-    def __init__(self, idx: torch.Tensor, num_experts: int):
+    def __init__(self, idx: torch.Tensor, num_experts: int, small_call: int = SMALL_CALL):
         self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
-        self._flat: list[int] | None = None  # T*k ids of a small call, as a list
-        if self.ids.size <= SMALL_CALL:
+        self._flat: list[int] | None = None  # T*k ids of a small call (at most ``small_call`` pairs), as a list
+        if self.ids.size <= small_call:
             self._flat = self.ids.reshape(-1).tolist()
             self.needed: list[int] = sorted(set(self._flat))
             return
-        # 8- or 16-bit ids: numpy's stable sort is then a radix sort; on int64 it is a merge sort, 2 ms for a
-        # 4096-token prefill, which the copy stream would sit out at every layer boundary
+        # 8- or 16-bit ids: numpy's stable sort is then a radix sort; on int64 it is a merge sort, slow enough at a
+        # long prefill that the copy stream would sit it out at every layer boundary
         narrow = self.ids.reshape(-1).astype(np.min_scalar_type(num_experts - 1))  # T*k
         self.counts = np.bincount(narrow, minlength=num_experts)  # E: pairs of each expert
         self.needed = np.flatnonzero(self.counts).tolist()

@@ -6,8 +6,8 @@ CPU never waits except where it must read a result (the routing, the predictor's
 CPU every operation runs in program order, so events are ``None`` and waits do nothing.
 
 Expert copies go straight to ``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded: at batch 1 a
-decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host about 6 us
-more per copy (benchmarks/runtime_copy_issue.py). Where that runtime cannot be found, ``copy_`` is used.
+decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host more per copy
+(docs/benchmarks.md, "host cost of one expert copy"). Where that runtime cannot be found, ``copy_`` is used.
 """
 
 from __future__ import annotations
