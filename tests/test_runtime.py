@@ -46,15 +46,15 @@ def _generate(model, tokenizer, device="cpu", new_tokens=12):
     return timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens)
 
 
-def _offloaded_generations(model, tokenizer, device, **engine_args):
-    """policy -> (sequences, engine stats) for every offload policy; the model is restored after each."""
+def _offloaded_generations(model, tokenizer, device, predictor=None):
+    """policy -> (sequences, engine stats) for every offload policy (``predictor`` for those that predict); the
+    model is restored after each."""
     results = {}
     for name in OFFLOAD:
         policy = POLICIES[name]
         stores = offload(model, policy, device)
         try:
-            settings = EngineSettings(**(engine_args if policy.predict else {}))
-            with OffloadEngine(model, stores, policy, settings=settings) as engine:
+            with OffloadEngine(model, stores, policy, predictor if policy.predict else None) as engine:
                 results[name] = (_generate(model, tokenizer, device)[0], engine.stats())
         finally:
             put_experts(find_moe_layers(model), stores, device)

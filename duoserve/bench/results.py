@@ -16,18 +16,36 @@ from pathlib import Path
 
 from duoserve.files import write_json
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def _commit() -> str | None:
-    """The checkout's commit (with ``-dirty`` for uncommitted changes), or ``DUOSERVE_COMMIT`` where there is no git
-    (a copy of the tree on another machine)."""
-    root = Path(__file__).resolve().parents[2]
+    """``DUOSERVE_COMMIT`` where set (a copy of the tree on another machine, whose git may be stale), else the
+    checkout's commit, with ``-dirty`` for uncommitted changes to tracked files."""
+    if os.environ.get("DUOSERVE_COMMIT"):
+        return os.environ["DUOSERVE_COMMIT"]
+    root = ROOT
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
                                capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("DUOSERVE_COMMIT")
+        return None
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def _command(argv: list[str]) -> str:
+    """The command line as a user would type it: package modules as ``python -m``, repo scripts relative."""
+    first = Path(argv[0]).resolve()
+    if first.name.startswith("duoserve-"):  # a console script
+        head = [first.name]
+    elif first.is_relative_to(ROOT / "duoserve"):
+        head = ["python", "-m", ".".join(first.relative_to(ROOT).with_suffix("").parts)]
+    elif first.is_relative_to(ROOT):
+        head = ["python", str(first.relative_to(ROOT))]
+    else:
+        head = [argv[0]]
+    return shlex.join(head + list(argv[1:]))
 
 
 def machine() -> dict:
@@ -48,7 +66,7 @@ def machine() -> dict:
 def provenance(argv: list[str] | None = None) -> dict:
     """Where a result comes from: commit, machine and the command line that produced it."""
     argv = sys.argv if argv is None else argv
-    return {"commit": _commit(), "machine": machine(), "command": shlex.join(argv)}
+    return {"commit": _commit(), "machine": machine(), "command": _command(argv)}
 
 
 def write_result(path: Path | None, report: dict) -> None:
