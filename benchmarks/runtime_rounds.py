@@ -1,6 +1,6 @@
 """Decode over many rounds: duoserve against its all-resident bound, pooled over one or more bench results.
 
-    python benchmarks/runtime_rounds.py benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_oracle{1,2,3,4}_h200.json
+    python benchmarks/runtime_rounds.py benchmarks/results/runtime_qwen3-30b-a3b_b1_repeats_h200.json
 
 Host-bound decode ratios drift with the machine's pace from round to round, so one round says little. Per
 (batch size, predictor), over every round of the files given: the all-resident and duoserve time per token
@@ -59,11 +59,12 @@ def summarize(results: list[dict]) -> list[str]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("results", nargs="+", help="bench result JSON files, pooled")
+    ap.add_argument("results", nargs="+", help="bench result JSON files (or files of pooled \"parts\"), pooled")
     results = []
     for path in ap.parse_args().results:
         with open(path) as f:
-            results.append(json.load(f))
+            result = json.load(f)
+        results.extend(result.get("parts", [result]))
     print("\n".join(summarize(results)))
 
 
