@@ -1,9 +1,11 @@
-# Set-up and the two commands of the README. Override TORCH to bring your own build, e.g.
-#   make demo TORCH='torch --index-url https://download.pytorch.org/whl/cu128'
-# A torch already importable in the venv is kept as it is.
+# Set-up and the two commands of the README.
+# PyTorch: a torch already importable in the venv is kept as it is (bring your own: install it into .venv first,
+# or say which, e.g. make demo TORCH='torch --index-url https://download.pytorch.org/whl/cu128'). Otherwise a
+# machine with an NVIDIA driver gets PyPI's CUDA build, and any other the CPU build from PyTorch's CPU index
+# (where that index cannot be reached, pip moves on to the package index and local wheels).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH ?= torch==2.13.0
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0 --timeout 15 --extra-index-url https://download.pytorch.org/whl/cpu)
 OUT ?= out
 
 .PHONY: setup demo test bench clean
@@ -38,6 +40,7 @@ bench: setup
 	$(PY) benchmarks/stats_throughput.py --rows 400000 --out benchmarks/results/stats_throughput_cpu.json
 	$(PY) benchmarks/eval_throughput.py --out benchmarks/results/eval_throughput_cpu.json
 	$(PY) benchmarks/import_throughput.py --out benchmarks/results/import_throughput_cpu.json
+	$(PY) benchmarks/runtime_host_cpu.py --rounds 3 --new-tokens 32 --out benchmarks/results/runtime_host_cpu_cpu.json
 
 clean:
 	rm -rf $(OUT)

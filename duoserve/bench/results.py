@@ -21,13 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _commit() -> str | None:
     """``DUOSERVE_COMMIT`` where set (a copy of the tree on another machine, whose git may be stale), else the
-    checkout's commit, with ``-dirty`` for uncommitted changes to tracked files."""
+    checkout's commit, with ``-dirty`` for uncommitted changes to the code (the package and the benchmark scripts;
+    docs and result files do not count)."""
     if os.environ.get("DUOSERVE_COMMIT"):
         return os.environ["DUOSERVE_COMMIT"]
-    root = ROOT
     try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "duoserve",
+                                ":(glob)benchmarks/*.py", ":(glob)benchmarks/*.sh"], cwd=ROOT,
                                capture_output=True, text=True, check=True)
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -32,7 +32,7 @@ from duoserve.predictor.baselines import affinity_markov_scores, popularity_scor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.trace.format import open_trace
 from duoserve.train.lightning import PredictorModule, RoutingDataModule
-from duoserve.train.settings import FitSettings
+from duoserve.train.settings import FEATURES, FitSettings
 
 MONITOR = "val/exact_topk"
 
@@ -79,9 +79,9 @@ def _work_dir(s: FitSettings) -> Path:
 def fit(s: FitSettings) -> FitResult:
     """Train on the traces' training requests, pick the epoch with the best validation exact-top-k, export."""
     start = time.time()
-    unknown = set(s.features) - {"popularity", "affinity", "nextgate"}
+    unknown = set(s.features) - set(FEATURES)
     if unknown:
-        raise ValueError(f"unknown feature(s) {sorted(unknown)}; choose from popularity, affinity, nextgate")
+        raise ValueError(f"unknown feature(s) {sorted(unknown)}; choose from {', '.join(FEATURES)}")
     if s.epochs < 1 or s.batch_size < 1 or s.lr <= 0:
         raise ValueError("epochs and batch size must be >= 1 and the learning rate > 0")
     if s.out.exists() and not (s.out / "config.json").exists():
