@@ -5,7 +5,12 @@
 # (where that index cannot be reached, pip moves on to the package index and local wheels).
 VENV ?= .venv
 PY := $(VENV)/bin/python
-TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,torch==2.13.0 --timeout 15 --extra-index-url https://download.pytorch.org/whl/cpu)
+CPU_INDEX = https://download.pytorch.org/whl/cpu
+# asked once, when set-up runs: can this machine reach PyTorch's CPU index (5 s at most)?
+CPU_INDEX_REACHABLE = $(shell python3 -c "import urllib.request as u; u.urlopen('$(CPU_INDEX)/', timeout=5)" \
+                        2>/dev/null && echo yes)
+TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,\
+           torch==2.13.0 $(if $(CPU_INDEX_REACHABLE),--extra-index-url $(CPU_INDEX)))
 OUT ?= out
 
 .PHONY: setup demo test bench clean
