@@ -13,14 +13,20 @@ TORCH ?= $(if $(shell command -v nvidia-smi 2>/dev/null),torch,\
            torch==2.13.0 $(if $(CPU_INDEX_REACHABLE),--extra-index-url $(CPU_INDEX)))
 OUT ?= out
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-dev demo test bench clean
 
+# what the pipeline needs; the test tools (pytest, ONNX export, the notebook kernel) only for make test
 setup: $(VENV)/.installed
+setup-dev: $(VENV)/.installed-dev
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $@
 
@@ -30,16 +36,16 @@ demo: setup
 	$(VENV)/bin/duoserve-eval health $(OUT)/traces
 	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
 	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
-	$(VENV)/bin/duoserve-eval accuracy --traces $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report
-	$(VENV)/bin/duoserve-run generate --predictor $(OUT)/predictor --json $(OUT)/generate.json
+	$(VENV)/bin/duoserve-eval accuracy $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report
+	$(VENV)/bin/duoserve-run generate --predictor $(OUT)/predictor --out $(OUT)/generate.json
 	$(VENV)/bin/duoserve-run bench --predictor $(OUT)/predictor --predictor none --policy duoserve \
 	    --policy on-demand --policy lru --policy all-resident --prompt-len 64 --new-tokens 16 --out $(OUT)/bench.json
 
-test: setup
+test: setup-dev
 	$(PY) -m pytest -q
 
 # the CPU benchmarks; each writes its latest result (with commit, machine and command) to benchmarks/results/
-bench: setup
+bench: setup-dev
 	$(PY) benchmarks/trace_overhead.py --out benchmarks/results/trace_overhead_cpu.json
 	$(PY) benchmarks/predictor_latency.py --iters 300 --out benchmarks/results/predictor_latency_cpu.json
 	$(PY) benchmarks/stats_throughput.py --rows 400000 --out benchmarks/results/stats_throughput_cpu.json

@@ -2,6 +2,8 @@
 
 Each writer fills a temporary name beside the target (same file system, so the final rename is
 atomic) and renames it into place only when it is complete; a failure removes the temporary.
+Missing parent folders are created; ``check_output`` says before any work whether a path can be
+written at all, so a long run does not fail at its end.
 """
 
 from __future__ import annotations
@@ -20,10 +22,34 @@ def temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp")
 
 
+def check_output(path: str | Path, folder: bool = False) -> Path:
+    """Refuse, before any work, an output ``path`` that cannot be written: a folder where a file is wanted (or
+    ``folder`` and a file there), a parent that is a file, or a parent folder without write permission."""
+    path = Path(path)
+    if path.exists() and path.is_dir() != folder:
+        raise FileExistsError(f"{path} is a {'file' if folder else 'folder'}; give a {'folder' if folder else 'file'} "
+                              "path")
+    ancestor = path.parent
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"cannot write {path}: {ancestor} is a file, not a folder")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"cannot write {path}: no write permission in {ancestor}")
+    return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write; on success it is renamed onto ``path``, on failure removed."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(path)
     try:
         yield tmp
@@ -40,6 +66,7 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
+    tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0700); the result is an ordinary folder
     try:
         yield tmp
         if replace and path.exists():

@@ -7,6 +7,7 @@ dtypes the same way.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import torch
 
@@ -25,12 +26,32 @@ def resolve_model(model: str) -> str:
 
 
 def resolve_device(device: str) -> torch.device:
-    """'auto' is this rank's GPU (``LOCAL_RANK``) where there is one, else the CPU."""
+    """'auto' is this rank's GPU (``LOCAL_RANK``) where there is one, else the CPU; refuses a device that is not
+    here."""
     if device == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         return torch.device("cpu")
-    return torch.device(device)
+    try:
+        chosen = torch.device(device)
+    except RuntimeError as err:
+        raise ValueError(f"unknown device {device!r}; use auto, cpu, cuda or cuda:N") from err
+    if chosen.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {device!r}: this machine has no CUDA device (torch {torch.__version__}); "
+                             "use --device cpu or auto")
+        if chosen.index is not None and chosen.index >= torch.cuda.device_count():
+            raise ValueError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return chosen
+
+
+def _local_or_hub(model: str) -> str:
+    """``resolve_model``, refusing a path that names no folder (rather than letting the hub try it as an id)."""
+    path = resolve_model(model)
+    if not Path(path).expanduser().exists() and (path.startswith(("/", ".", "~")) or path.count("/") > 1):
+        raise ModelLoadError(f"no model at {path}: that folder does not exist (give a local model folder or a hub id "
+                             "such as Qwen/Qwen3-30B-A3B)")
+    return path
 
 
 def _dtype(dtype: str):
@@ -44,7 +65,8 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch_dtype = _dtype(dtype)
-    path = resolve_model(model)
+    path = _local_or_hub(model)
+    target = resolve_device(device)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
@@ -53,7 +75,7 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: 
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return net.to(resolve_device(device)).eval(), tokenizer
+    return net.to(target).eval(), tokenizer
 
 
 def model_from_config(model: str, device: torch.device, dtype: str = "auto", layers: int | None = None):
@@ -63,7 +85,7 @@ def model_from_config(model: str, device: torch.device, dtype: str = "auto", lay
 
     torch_dtype = _dtype(dtype)
     try:
-        config = AutoConfig.from_pretrained(resolve_model(model))
+        config = AutoConfig.from_pretrained(_local_or_hub(model))
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not read a config for {model!r}: {err}") from err
     if layers:

@@ -118,3 +118,13 @@ def embedded_trace(tmp_path_factory):
     collect(CollectSettings(datasets=parse_datasets(["squad-sample", "orca-math-sample"]), out=out,
                             max_new_tokens=16, device="cpu"))
     return open_trace(out)
+
+
+@pytest.fixture(scope="session")
+def embedded_predictor(embedded_trace, tmp_path_factory):
+    """A small predictor (one narrow layer, one epoch) fitted on the embedded trace: an artifact to hand commands."""
+    from duoserve.train.fit import FitSettings, fit
+
+    out = tmp_path_factory.mktemp("predictor") / "p"
+    fit(FitSettings(traces=[embedded_trace.path], out=out, widths=(32,), epochs=1, progress=False, clean=True))
+    return out

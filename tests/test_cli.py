@@ -34,7 +34,7 @@ def test_collect_then_info_on_the_embedded_default(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["collect", "--dataset", "nope"], "unknown dataset 'nope'"),
     (["collect", "--fraction", "2"], "fraction must be in (0, 1]"),
-    (["collect", "--model", "/no/such/model", "--count", "1"], "could not load model '/no/such/model'"),
+    (["collect", "--model", "/no/such/model", "--count", "1"], "no model at /no/such/model"),
     (["info", "/no/such/trace"], "no trace at /no/such/trace"),
 ])
 def test_user_errors_exit_2_with_a_message(tmp_path, args, message):

@@ -67,11 +67,35 @@ def _hits(names: set[str], forbidden: list[str]) -> list[str]:
     return sorted(n for n in names if any(n == f or n.startswith(f + ".") for f in forbidden))
 
 
-def _loaded(code: str) -> set[str]:
-    """sys.modules after running ``code`` in a fresh interpreter."""
-    out = subprocess.run([sys.executable, "-c", f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"],
-                         capture_output=True, text=True, check=True)
-    return set(json.loads(out.stdout.splitlines()[-1]))
+def _probe(code: str) -> subprocess.Popen:
+    """A fresh interpreter running ``code``, then printing its sys.modules."""
+    return subprocess.Popen([sys.executable, "-c", f"{code}\nimport sys, json\nprint(json.dumps(sorted(sys.modules)))"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _imports_all(modules: list[str]) -> str:
+    return "\n".join(f"import {m}" for m in modules)
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory) -> dict[str, set[str]]:
+    """What each probe's fresh interpreter loaded; the probes run side by side (each pays torch's import)."""
+    folder = tmp_path_factory.mktemp("predictor") / "p"
+    library = [m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name) if m not in MAY_FIT]
+    codes = {name: _imports_all(_modules(name)) for name in ("runtime", "predictor", "features", "trace", "bench")}
+    codes["evaluate"] = _imports_all([m for m in _modules("evaluate") if m not in MAY_FIT])
+    codes["library"] = _imports_all(library)
+    codes["load_predictor"] = (
+        "from duoserve.predictor import ExpertPredictor, FeatureSpec, save_predictor\n"
+        f"save_predictor(ExpertPredictor(FeatureSpec(3, 4, 2, 2), widths=(8,)), {str(folder)!r}, {{}}, [])\n"
+        f"import duoserve\nduoserve.load_predictor({str(folder)!r})")
+    running = {name: _probe(code) for name, code in codes.items()}
+    out = {}
+    for name, proc in running.items():
+        stdout, stderr = proc.communicate()
+        assert proc.returncode == 0, f"{name}: {stderr}"
+        out[name] = set(json.loads(stdout.splitlines()[-1]))
+    return out
 
 
 @pytest.mark.parametrize("name", sorted(FORBIDDEN))
@@ -81,32 +105,24 @@ def test_no_stage_imports_a_later_one_in_its_source(name):
         assert not _hits(_imports(module), forbidden), f"{module} imports {_hits(_imports(module), forbidden)}"
 
 
-@pytest.mark.parametrize("name", ["runtime", "predictor", "features", "trace", "discovery", "loading", "bench"])
-def test_importing_a_stage_loads_nothing_it_must_not(name):
-    modules = _modules(name)
-    loaded = _loaded("\n".join(f"import {m}" for m in modules))
-    assert not _hits(loaded, FORBIDDEN[name]), _hits(loaded, FORBIDDEN[name])
+@pytest.mark.parametrize("name", ["runtime", "predictor", "features", "trace", "bench"])
+def test_importing_a_stage_loads_nothing_it_must_not(loaded, name):
+    assert not _hits(loaded[name], FORBIDDEN[name]), _hits(loaded[name], FORBIDDEN[name])
 
 
-def test_scoring_baselines_needs_no_lightning():
-    loaded = _loaded("\n".join(f"import {m}" for m in _modules("evaluate") if m not in MAY_FIT))
-    assert not _hits(loaded, ["lightning", "duoserve.train"])
+def test_scoring_baselines_needs_no_lightning(loaded):
+    assert not _hits(loaded["evaluate"], ["lightning", "duoserve.train"])
 
 
-def test_loading_a_predictor_needs_torch_alone(tmp_path):
-    code = (f"from duoserve.predictor import ExpertPredictor, FeatureSpec, save_predictor\n"
-            f"save_predictor(ExpertPredictor(FeatureSpec(3, 4, 2, 2), widths=(8,)), {str(tmp_path / 'p')!r}, {{}}, [])\n"
-            f"import duoserve\nduoserve.load_predictor({str(tmp_path / 'p')!r})")
-    loaded = _loaded(code)
-    assert "duoserve.predictor.artifact" in loaded  # the loader ran
-    assert not _hits(loaded, ["lightning", "duoserve.train", "duoserve.trace", "duoserve.evaluate"])
+def test_loading_a_predictor_needs_torch_alone(loaded):
+    assert "duoserve.predictor.artifact" in loaded["load_predictor"]  # the loader ran
+    assert not _hits(loaded["load_predictor"], ["lightning", "duoserve.train", "duoserve.trace", "duoserve.evaluate"])
 
 
-def test_nothing_but_the_cli_imports_the_cli():
-    library = [m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name)]
-    for module in library:
+def test_nothing_but_the_cli_imports_the_cli(loaded):
+    for module in (m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name)):
         assert not _hits(_imports(module), ["duoserve.cli"]), module
-    assert not _hits(_loaded("\n".join(f"import {m}" for m in library if m not in MAY_FIT)), ["duoserve.cli"])
+    assert not _hits(loaded["library"], ["duoserve.cli"])
 
 
 def test_the_rules_cover_every_module():

@@ -449,7 +449,7 @@ def test_parse_bytes():
 
 def test_generate_cli(tmp_path):
     out = tmp_path / "gen.json"
-    result = runner.invoke(run_app, ["generate", "--new-tokens", "6", "--policy", "lru", "--json", str(out)])
+    result = runner.invoke(run_app, ["generate", "--new-tokens", "6", "--policy", "lru", "--out", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
     assert saved["policy"] == "lru" and len(saved["texts"]) == 2 and saved["new_tokens"] >= 1
@@ -514,7 +514,8 @@ def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, ar
     assert [t["round"] for t in decode] == [0, 1, "median"]
     assert decode[2]["value"] == pytest.approx(statistics.median(r["tpot_vs_bound"] for r in runs[1::2]))
     assert decode[2]["met"] == (decode[2]["value"] <= 1.15) and decode[2]["at_most"] == 1.15
-    assert "median" in result.output  # the summary table shows the median rows
+    # on the CPU stand-in the table of GPU targets is not shown, and the output says why
+    assert "targets are GPU targets and are not checked here" in " ".join(result.output.split())
 
 
 @pytest.mark.gpu

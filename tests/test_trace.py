@@ -238,3 +238,41 @@ def test_open_trace_rejects_foreign_and_mixed_files(arch_models, tmp_path):
     (b / "part-r000-00000.parquet").rename(a / "part-r009-00000.parquet")
     with pytest.raises(ValueError, match="different run"):
         open_trace(a)
+
+
+def test_a_killed_collection_at_default_settings_resumes_losing_and_duplicating_nothing(tmp_path, embedded_trace):
+    # the embedded default's own command, killed (SIGKILL) once its first part file is in place, then rerun
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from duoserve.trace.writer import finished_requests
+
+    out = tmp_path / "traces"
+    command = [sys.executable, "-m", "duoserve.cli.trace", "collect", "--max-new-tokens", "16", "--device", "cpu",
+               "--out", str(out)]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("part-*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = len(list(out.glob("part-*.parquet")))
+    assert written >= 1 and proc.returncode == -signal.SIGKILL  # killed mid-run, with work on disk
+    kept = len(finished_requests(out))
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    # the summary row: requests in this rank's share, then how many of them were already on disk
+    share, resumed = map(int, re.search(r"│\s*(\d+)\s*│\s*(\d+)\s*│", done.stdout).groups())
+    assert 0 < resumed == kept < share
+
+    def requests(path) -> dict:
+        table = open_trace(path).dataset.to_table(columns=["dataset", "request_id", "phase", "position"]).to_pandas()
+        assert not table.duplicated().any()  # no token twice
+        prefill = table[table.phase == "prefill"]
+        return prefill.groupby(["dataset", "request_id"]).size().to_dict()  # prompt tokens per request
+
+    # every request of the uninterrupted run, once, with all of its prompt tokens
+    assert requests(out) == requests(embedded_trace.path)
+    assert len(list(out.glob("part-*.parquet"))) > written and not list(out.glob(".*tmp"))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -117,3 +118,18 @@ def test_ddp_fit_on_two_cpu_processes(tmp_path):
     assert config["training"]["epochs_run"] == 1 and "predictor" in config["metrics"]["validation"]
     assert load_predictor(tmp_path / "p").spec.num_layers == 3
     assert (tmp_path / "p" / "model.onnx").stat().st_size > 0 and "ONNX:" in out.stdout
+
+
+def test_a_refused_fit_leaves_nothing_and_clean_removes_the_checkpoints(embedded_trace, embedded_predictor, tmp_path):
+    from duoserve.train.fit import FitSettings, fit
+
+    # the shared fixture was fitted with clean=True: the artifact is there, its checkpoints are not
+    assert (embedded_predictor / "model.safetensors").exists()
+    assert not (embedded_predictor.parent / f".{embedded_predictor.name}.lightning").exists()
+    settings = FitSettings(traces=[embedded_trace.path], out=tmp_path / "p", widths=(16,), epochs=1, progress=False)
+    with pytest.raises(ValueError, match="devices=0"):
+        fit(replace(settings, devices=0))
+    assert not list(tmp_path.iterdir())  # nothing written, so nothing blocks the corrected command
+    result = fit(settings)
+    assert result.out.exists() and result.work_dir == tmp_path / ".p.lightning" and result.work_dir.exists()
+    assert not fit(replace(settings, clean=True)).resumed and not result.work_dir.exists()

@@ -121,6 +121,14 @@ def _routing(s: BenchSettings, L: int, E: int, k: int, device: torch.device):
 def _load_predictors(specs: list[str], routing: str) -> dict[str, ExpertPredictor]:
     """The trained artifacts among ``specs``, read once (on the CPU); refuses a spec that cannot run, before a
     large model is built."""
+    for spec in (s for s in specs if s.startswith("oracle")):
+        recall = spec.partition(":")[2] or "1"
+        try:
+            valid = 0.0 <= float(recall) <= 1.0
+        except ValueError:
+            valid = False
+        if spec.partition(":")[0] != "oracle" or not valid:
+            raise ValueError(f"predictor {spec!r}: write oracle or oracle:RECALL with a recall between 0 and 1")
     if routing == "router" and any(spec.startswith("oracle") for spec in specs):
         raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
     return {spec: load_predictor(spec) for spec in specs if spec != "none" and not spec.startswith("oracle")}

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -19,6 +20,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+import duoserve
 from duoserve.embedded import EMBEDDED_NAME
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.settings import EngineSettings, parse_bytes
@@ -26,12 +28,28 @@ from duoserve.runtime.settings import EngineSettings, parse_bytes
 console = Console()
 err_console = Console(stderr=True)
 
-_USER_ERRORS = (ValueError, FileNotFoundError, FileExistsError, RuntimeError)
+# what a user can fix by changing the command line or the files it names (OSError: paths, permissions, disk)
+_USER_ERRORS = (ValueError, OSError, RuntimeError)
+
+
+def _version(show: bool) -> None:
+    if show:
+        console.print(f"duoserve {duoserve.__version__}")
+        raise typer.Exit()
 
 
 def new_app(help: str) -> typer.Typer:
-    """A stage's typer app: help without arguments, plain errors (no rich tracebacks)."""
-    return typer.Typer(help=help, no_args_is_help=True, pretty_exceptions_enable=False)
+    """A stage's typer app: help without arguments, help text as written (no markup: brackets stay), plain errors
+    (no rich tracebacks), and ``--version``."""
+    app = typer.Typer(help=help, no_args_is_help=True, pretty_exceptions_enable=False, rich_markup_mode=None)
+
+    @app.callback()
+    def main(version: Annotated[bool, typer.Option("--version", help="Print duoserve's version and exit.",
+                                                   callback=_version, is_eager=True)] = False) -> None:
+        pass
+
+    main.__doc__ = help
+    return app
 
 
 @contextmanager
@@ -42,8 +60,17 @@ def user_errors() -> Iterator[None]:
     except typer.Exit:  # a RuntimeError too, but already the answer
         raise
     except _USER_ERRORS as err:
-        err_console.print(f"[bold red]error:[/] {err}")
+        err_console.print(f"[bold red]error:[/] {escape(_one_line(err))}", highlight=False, soft_wrap=True)
         raise typer.Exit(2) from err
+
+
+def _one_line(err: Exception) -> str:
+    """The error as one line: an OSError as 'what: path', anything else its message's first line."""
+    if isinstance(err, OSError) and err.strerror:
+        paths = " -> ".join(str(p) for p in (err.filename, err.filename2) if p)
+        return f"{err.strerror}: {paths}" if paths else err.strerror
+    text = str(err).strip() or type(err).__name__
+    return text.splitlines()[0]
 
 
 def table(title: str, *columns: str) -> Table:
@@ -53,9 +80,26 @@ def table(title: str, *columns: str) -> Table:
     return t
 
 
-def progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    TimeRemainingColumn(), console=err_console, transient=False)
+@contextmanager
+def progress(description: str, total: float | None = None) -> Iterator[Callable[..., None]]:
+    """A progress bar on stderr, drawn from its first update on (nothing shows before validation has passed);
+    yields ``update(**fields)`` (rich's ``Progress.update``: completed, total, advance, description)."""
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=err_console, transient=False)
+    task = None
+
+    def update(**fields) -> None:
+        nonlocal task
+        if task is None:
+            bar.start()
+            task = bar.add_task(description, total=total)
+        bar.update(task, **fields)
+
+    try:
+        yield update
+    finally:
+        if task is not None:
+            bar.stop()
 
 
 def gb(nbytes) -> str:
@@ -64,6 +108,17 @@ def gb(nbytes) -> str:
 
 def num(value, fmt: str = ".3f") -> str:
     return "-" if value is None else format(value, fmt)
+
+
+def int_list(text: str, option: str) -> tuple[int, ...]:
+    """'2048,1024,64' as integers; refuses anything else naming ``option``."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise typer.BadParameter(f"{text!r} is not a comma-separated list of integers", param_hint=option) from None
+    if not values or min(values) < 1:
+        raise typer.BadParameter(f"{text!r}: give positive integers, e.g. 2048,1024,512", param_hint=option)
+    return values
 
 
 def phase_filter(phase: str) -> Optional[str]:

@@ -7,8 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import console, new_app, progress, table, user_errors
+from duoserve.cli.common import console, int_list, new_app, progress, table, user_errors
 from duoserve.evaluate.accuracy import BASELINES
+from duoserve.files import check_output
 
 app = new_app("How well a predictor knows the next layer's experts, against the baselines (stage 4).")
 
@@ -29,8 +30,8 @@ def _print_overall(report) -> None:
 
 @app.command()
 def accuracy(
-    traces: Annotated[list[Path], typer.Option(help="Trace folder(s) to evaluate on (requests the predictor "
-                                                    "was trained on are skipped).")],
+    traces: Annotated[list[Path], typer.Argument(help="Trace folder(s) to evaluate on (requests the predictor "
+                                                      "was trained on are skipped).")],
     predictor: Annotated[Path, typer.Option(help="Predictor artifact folder (duoserve-train fit).")],
     out: Annotated[Path, typer.Option(help="Report folder: report.json, report.md, plots.")] = Path("report"),
     train_traces: Annotated[Optional[list[Path]], typer.Option(
@@ -41,22 +42,31 @@ def accuracy(
     cross_task: Annotated[bool, typer.Option(help="Also fit per dataset and test on the others.")] = False,
     learning_curve: Annotated[Optional[str], typer.Option(
         help="Also fit on these shares of the training requests, e.g. 0.1,0.25,0.5,1.")] = None,
-    fit_epochs: Annotated[int, typer.Option(help="Epochs of the extra fits (cross-task, learning curve).")] = 3,
+    fit_epochs: Annotated[int, typer.Option(min=1, help="Epochs of the extra fits (cross-task, learning curve).")]
+    = 3,
+    fits_dir: Annotated[Optional[Path], typer.Option(
+        help="Keep the extra fits' predictors in this folder. [default: a temporary folder, removed after]")] = None,
 ) -> None:
     """Accuracy of PREDICTOR and every baseline on unseen requests; writes report.json, report.md and plots."""
+    import tempfile
+
     from duoserve.evaluate.accuracy import evaluate_accuracy
     from duoserve.evaluate.generalization import add_studies
-    from duoserve.evaluate.report import write_report
+    from duoserve.evaluate.report import check_report_dir, write_report
 
-    with user_errors():
-        with progress() as bar:
-            task = bar.add_task("evaluating", total=None)
-            say = lambda text: bar.update(task, description=text)  # noqa: E731
-            report = evaluate_accuracy(traces, predictor, train_traces, baseline or BASELINES,
-                                       [int(b) for b in extra_budget.split(",") if b.strip()], say)
-            fractions = [float(f) for f in learning_curve.split(",")] if learning_curve else None
-            extra = add_studies(report, traces, out / "fits", fit_epochs, cross_task, fractions, say)
-            bar.update(task, description="writing the report")
+    with user_errors(), tempfile.TemporaryDirectory(prefix="duoserve-fits-") as scratch:
+        check_report_dir(out)
+        if fits_dir is not None:
+            check_output(fits_dir, folder=True)
+        budgets = int_list(extra_budget, "--extra-budget")
+        fractions = [float(f) for f in learning_curve.split(",")] if learning_curve else None
+        with progress("evaluating") as update:
+            say = lambda text: update(description=text)  # noqa: E731
+            report = evaluate_accuracy(traces, predictor, train_traces, baseline or BASELINES, budgets, say)
+            extra = add_studies(report, traces, fits_dir or Path(scratch), fit_epochs, cross_task, fractions, say)
+            if extra:
+                report.info["fits"] = str(fits_dir) if fits_dir else "discarded (--fits-dir keeps them)"
+            say("writing the report")
             write_report(report, out, report.stats, extra)
     _print_overall(report)
     console.print(f"report: {out / 'report.md'}, {out / 'report.json'}, plots {', '.join(report.info['plots'])}")

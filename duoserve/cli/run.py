@@ -26,6 +26,7 @@ from duoserve.cli.common import (
     user_errors,
 )
 from duoserve.embedded import EMBEDDED_NAME
+from duoserve.files import check_output
 from duoserve.runtime.policies import DEFAULT_POLICIES, POLICIES
 
 app = new_app("Serve an MoE model with its experts in host memory: dual-phase offload (stage 5).")
@@ -48,14 +49,14 @@ def generate(
     = None,
     predictor: Annotated[Optional[Path], typer.Option(help="Exported predictor folder (duoserve policy).")] = None,
     policy: Annotated[str, typer.Option(help=PolicyHelp)] = "duoserve",
-    new_tokens: Annotated[int, typer.Option(help="Most tokens to generate (greedy; stops at EOS).")] = 64,
+    new_tokens: Annotated[int, typer.Option(min=1, help="Most tokens to generate (greedy; stops at EOS).")] = 64,
     gpu_expert_budget: BudgetOption = None,
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
     dtype: DtypeOption = "auto",
-    json_out: Annotated[Optional[Path], typer.Option("--json", help="Also write texts and figures here.")] = None,
+    out: Annotated[Optional[Path], typer.Option(help="Also write the texts and figures here (JSON).")] = None,
 ) -> None:
     """Generate with the experts offloaded to host memory; print the texts and the run's figures."""
     from duoserve.data.tasks import default_prompts
@@ -63,6 +64,8 @@ def generate(
     from duoserve.runtime.generation import generate as run_generate
 
     with user_errors():
+        if out:
+            check_output(out)
         settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score)
         result = run_generate(model, prompt or default_prompts(), policy, predictor, new_tokens, settings, device,
                               dtype)
@@ -82,8 +85,8 @@ def generate(
         figures.add_row("predictor (ms)", num(counters["predictor_ms"], ".1f"))
         figures.add_row("expert copies via", counters["copy_path"])
     console.print(figures)
-    if json_out:
-        write_json(json_out, result.to_dict())
+    if out:
+        write_json(out, result.to_dict())
 
 
 @app.command("bench")
@@ -100,8 +103,9 @@ def bench_cmd(
     routing: Annotated[str, typer.Option(
         help="router (the model's own), random (uniform top-k, seeded) or a trace folder to replay.")] = "router",
     batch_size: Annotated[Optional[list[int]], typer.Option(help="Repeatable. [default: 1]")] = None,
-    prompt_len: Annotated[int, typer.Option(help="Prompt tokens (random ids).")] = 512,
-    new_tokens: Annotated[int, typer.Option(help="Tokens generated per run.")] = 128,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens (random ids).")] = 512,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per run (2 or more: a time per token "
+                                                        "needs two).")] = 128,
     baseline_new_tokens: Annotated[Optional[int], typer.Option(
         help="Fewer tokens for the fetch-bound baselines (all but duoserve and all-resident).")] = None,
     gpu_expert_budget: BudgetOption = None,
@@ -109,7 +113,7 @@ def bench_cmd(
     dtype: Annotated[str, typer.Option(help="auto (bfloat16 on GPU for config-only), float32, bfloat16.")] = "auto",
     seed: Annotated[int, typer.Option(help="Seed of prompts and random routing.")] = 0,
     repeats: Annotated[int, typer.Option(
-        help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
+        min=1, help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
@@ -121,15 +125,14 @@ def bench_cmd(
     from duoserve.bench.results import write_result
 
     with user_errors():
+        check_output(out)
         s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
                           policies=policy or list(DEFAULT_POLICIES), batch_sizes=batch_size or [1],
                           prompt_len=prompt_len, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
                           engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score))
-        with progress() as bar:
-            task = bar.add_task("policies", total=s.run_count())
-            result = bench(s, on_run=lambda run: bar.advance(task),
-                           on_status=lambda text: bar.update(task, description=text))
+        with progress("policies", total=s.run_count()) as update:
+            result = bench(s, on_run=lambda run: update(advance=1), on_status=lambda text: update(description=text))
     _print_bench(result, rounds=s.repeats > 1)
     write_result(out, result)
     console.print(f"results: {out}")
@@ -154,7 +157,10 @@ def _print_bench(result: dict, rounds: bool) -> None:
                             num(r["hit_rate"]["decode"]), num(r["stall_ms"], ".0f"), num(r["predictor_ms"], ".0f"))
     console.print(latency)
     console.print(traffic)
-    if result["targets"]:
+    if result["device"] == "cpu":
+        console.print("The CPU stood in for a GPU: bytes, hit rates and correctness carry over, times do not. The "
+                      "runtime's targets are GPU targets and are not checked here (docs/runtime.md has the H200's).")
+    elif result["targets"]:
         targets = table("targets", "B", "predictor", *round_col, "target", "value", "met")
         for t in result["targets"]:
             targets.add_row(str(t["batch_size"]), t["predictor"], *([str(t["round"])] if rounds else []),

@@ -18,6 +18,7 @@ from duoserve.cli.common import (
     user_errors,
 )
 from duoserve.data.tasks import SAMPLE_DATASETS
+from duoserve.files import check_output
 from duoserve.trace.collect import CollectSettings
 from duoserve.trace.importers import ImportSettings
 
@@ -41,18 +42,22 @@ def collect(
     count: Annotated[Optional[int], typer.Option(help="Trace this many rows per dataset instead of --fraction.")]
     = None,
     seed: Annotated[int, typer.Option(help="Seed of the row draw.")] = COLLECT.seed,
-    max_new_tokens: Annotated[int, typer.Option(help="Greedy decode steps per request (0: prefill only).")]
+    max_new_tokens: Annotated[int, typer.Option(min=0, help="Greedy decode steps per request (0: prefill only).")]
     = COLLECT.max_new_tokens,
     max_prompt_tokens: Annotated[int, typer.Option(help="Truncate longer prompts (from the left).")]
     = COLLECT.max_prompt_tokens,
-    batch_size: Annotated[int, typer.Option(help="Requests per generate call.")] = COLLECT.batch_size,
+    batch_size: Annotated[int, typer.Option(min=1, help="Requests per generate call.")] = COLLECT.batch_size,
     lookahead: Annotated[int, typer.Option(help="Record next-gate guesses for layers l+1..l+D (0: none).")]
     = COLLECT.lookahead,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, ...")] = COLLECT.device,
     dtype: DtypeOption = COLLECT.dtype,
     revision: Annotated[Optional[str], typer.Option(help="Model revision (hub models).")] = None,
-    part_rows: Annotated[int, typer.Option(help="Rows per Parquet part file (bounds file size and memory).")]
-    = COLLECT.rows_per_part,
+    part_rows: Annotated[int, typer.Option(min=1, help="A part file at the latest every this many rows (bounds "
+                                                       "file size and memory).")] = COLLECT.rows_per_part,
+    part_requests: Annotated[int, typer.Option(min=1, help="... or every this many requests (what a crash can "
+                                                           "lose at most).")] = COLLECT.requests_per_part,
+    part_seconds: Annotated[float, typer.Option(min=1, help="... or every this many seconds of tracing.")]
+    = COLLECT.seconds_per_part,
     out: Annotated[Path, typer.Option(help="Trace folder; re-run with the same arguments to resume.")]
     = COLLECT.out,
 ) -> None:
@@ -65,10 +70,10 @@ def collect(
         settings = CollectSettings(
             model=model, datasets=specs, out=out, fraction=None if count is not None else fraction, count=count,
             seed=seed, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
-            lookahead=lookahead, device=device, dtype=dtype, revision=revision, rows_per_part=part_rows)
-        with progress() as bar:
-            task = bar.add_task("tracing", total=None)
-            result = run_collect(settings, lambda done, total: bar.update(task, completed=done, total=total))
+            lookahead=lookahead, device=device, dtype=dtype, revision=revision, rows_per_part=part_rows,
+            requests_per_part=part_requests, seconds_per_part=part_seconds)
+        with progress("tracing") as update:
+            result = run_collect(settings, lambda done, total: update(completed=done, total=total))
     g = result.geometry
     summary = table(f"trace -> {result.out}", "model", "L x E, k", "requests", "resumed", "prefill rows",
                     "decode rows", "seconds")
@@ -136,9 +141,8 @@ def import_cmd(
                               token_id_column=token_id_column, dataset=dataset, phase=phase, layout=layout,
                               num_layers=num_layers, num_experts=num_experts, top_k=top_k, model=model)
     with user_errors():
-        with progress() as bar:
-            task = bar.add_task("importing (tokens)", total=None)
-            result = import_trace(settings, lambda n: bar.update(task, completed=n))
+        with progress("importing (tokens)") as update:
+            result = import_trace(settings, lambda n: update(completed=n))
     L, E, k = result.geometry
     summary = table(f"import -> {result.out}", "format", "L x E, k", "tokens", "dropped (missing layers)",
                     "inferred", "seconds")
@@ -159,6 +163,7 @@ def export_cmd(
     from duoserve.trace.importers import export_long
 
     with user_errors():
+        check_output(out)
         rows = export_long(open_trace(path), out)
     console.print(f"{rows} rows -> {out}")
 

@@ -10,12 +10,14 @@ import typer
 from duoserve.cli.common import (
     PhaseOption,
     console,
+    int_list,
     new_app,
     phase_filter,
     progress,
     table,
     user_errors,
 )
+from duoserve.files import check_output
 from duoserve.train.settings import FEATURES, FitSettings
 
 app = new_app("Routing statistics and next-layer expert predictor training (stages 2-3).")
@@ -28,15 +30,15 @@ def stats(
     out: Annotated[Path, typer.Option(help="Output .safetensors file (counts + JSON metadata).")]
     = Path("stats.safetensors"),
     phase: PhaseOption = "all",
-    workers: Annotated[int, typer.Option(help="Processes counting a folder's part files in parallel.")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="Processes counting a folder's part files in parallel.")] = 1,
 ) -> None:
     """Per-layer popularity (L x E) and consecutive-layer affinity ((L-1) x E x E) with counts."""
     from duoserve.features.stats import merged_stats
 
     with user_errors():
-        with progress() as bar:
-            task = bar.add_task("counting", total=len(traces))
-            merged = merged_stats(traces, phase_filter(phase), workers, lambda: bar.advance(task))
+        check_output(out)
+        with progress("counting", total=len(traces)) as update:
+            merged = merged_stats(traces, phase_filter(phase), workers, lambda: update(advance=1))
         merged.save(out)
     L, E = merged.geometry
     summary = table(f"statistics -> {out}", "tokens", "layers", "experts", "top expert per layer (share)")
@@ -62,16 +64,20 @@ def fit_cmd(
     feature: Annotated[Optional[list[str]], typer.Option(
         help=f"Features beside the history: {', '.join(FEATURES)}. Repeatable. "
              f"[default: {', '.join(FIT.features)}]")] = None,
-    epochs: Annotated[int, typer.Option(help="Maximum epochs (early stopping on validation exact-top-k).")]
+    epochs: Annotated[int, typer.Option(min=1, help="Maximum epochs (early stopping on validation exact-top-k).")]
     = FIT.epochs,
     patience: Annotated[int, typer.Option(help="Epochs without improvement before stopping.")] = FIT.patience,
-    batch_size: Annotated[int, typer.Option(help="Examples per step.")] = FIT.batch_size,
+    batch_size: Annotated[int, typer.Option(min=1, help="Examples per step.")] = FIT.batch_size,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = FIT.lr,
     accelerator: Annotated[str, typer.Option(help="Lightning accelerator: auto, cpu, gpu.")] = FIT.accelerator,
     devices: Annotated[str, typer.Option(help="Lightning devices: auto, 1, 2, ...")] = str(FIT.devices),
     strategy: Annotated[str, typer.Option(help="Lightning strategy: auto, ddp, ...")] = FIT.strategy,
     onnx: Annotated[bool, typer.Option(
         help="Also write model.onnx into the artifact, checked against PyTorch (needs duoserve[onnx]).")] = False,
+    clean: Annotated[bool, typer.Option(
+        help="Start afresh (drop the checkpoints of an earlier fit to this --out) and remove the checkpoints and "
+             "logs once the artifact is written.")] = FIT.clean,
+    verbose: Annotated[bool, typer.Option(help="Show Lightning's own banners and warnings.")] = FIT.verbose,
 ) -> None:
     """Train the next-layer expert predictor (Lightning) and export it as a self-contained artifact."""
     from duoserve.train.fit import fit
@@ -79,10 +85,10 @@ def fit_cmd(
     with user_errors():
         settings = FitSettings(
             traces=traces, out=out, phase=phase_filter(phase), val_fraction=val_fraction, seed=seed, window=window,
-            widths=tuple(int(w) for w in widths.split(",") if w.strip()),
+            widths=int_list(widths, "--widths"),
             features=tuple(feature) if feature else FIT.features, epochs=epochs, patience=patience,
             batch_size=batch_size, lr=lr, accelerator=accelerator,
-            devices=int(devices) if devices.isdigit() else devices, strategy=strategy)
+            devices=int(devices) if devices.isdigit() else devices, strategy=strategy, clean=clean, verbose=verbose)
         result = fit(settings)
     if result.out is None:
         return
@@ -92,7 +98,11 @@ def fit_cmd(
         summary.add_row(name if name != "predictor" else "[bold]trained MLP[/]", f"{m['exact_topk']:.3f}",
                         f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(summary)
-    console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s")
+    console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s"
+                  + (" (resumed from a checkpoint: the seconds are this run's; the result is close to, not bit-exact "
+                     "with, an uninterrupted fit)" if result.resumed else ""))
+    if result.work_dir is not None:
+        console.print(f"checkpoints and logs: {result.work_dir} (--clean removes them)")
     if onnx:
         from duoserve.predictor.artifact import load_predictor
         from duoserve.predictor.onnx import export_onnx

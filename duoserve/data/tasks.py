@@ -13,6 +13,7 @@ A request id is the row's index in its source split, so traces join back to thei
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,7 +137,19 @@ def load_rows(spec: DatasetSpec):
         ds = datasets.Dataset.from_list(task.sample(SAMPLE_ROWS, 0))
     elif spec.data_files:
         builder, files = _local_files(spec.data_files)
-        ds = datasets.load_dataset(builder, data_files=files, split="train")
+        if all(Path(f).stat().st_size == 0 for f in files):
+            raise ValueError(f"{spec.data_files} is empty: no rows to trace")
+        quiet = logging.getLogger("datasets")  # it logs a traceback of its own before raising on a malformed file
+        level = quiet.level
+        quiet.setLevel(logging.CRITICAL)
+        try:
+            ds = datasets.load_dataset(builder, data_files=files, split="train")
+        except Exception as err:  # the builders raise their own types (DatasetGenerationError, ArrowInvalid, ...)
+            cause = err.__cause__ or err
+            raise ValueError(f"could not read {spec.data_files} as {builder}: {type(cause).__name__}: "
+                             f"{str(cause).splitlines()[0] if str(cause) else 'malformed file'}") from err
+        finally:
+            quiet.setLevel(level)
     else:
         try:
             ds = datasets.load_dataset(task.hub_id, split=spec.split or task.split)

@@ -9,7 +9,7 @@ import pandas as pd
 
 from duoserve.evaluate.accuracy import AccuracyReport, save_json
 from duoserve.features.stats import RoutingStats
-from duoserve.files import write_text
+from duoserve.files import check_output, write_text
 
 HEADLINE = ["examples", "exact_topk", "at_least_half", "recall"]
 
@@ -87,27 +87,49 @@ def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> l
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
     if stats is not None:
+        from matplotlib.ticker import MaxNLocator
+
         fig, ax = plt.subplots(figsize=(8, 4))
         im = ax.imshow(stats.popularity, aspect="auto", cmap="viridis")
         ax.set(xlabel="expert", ylabel="MoE layer", title="popularity (training requests)")
-        fig.colorbar(im)
+        for axis in (ax.xaxis, ax.yaxis):
+            axis.set_major_locator(MaxNLocator(integer=True))
+        fig.colorbar(im, label="share of the layer's selections")
         written.append(out / "popularity.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
-        pairs = min(4, stats.affinity.shape[0])
-        fig, axes = plt.subplots(1, pairs, figsize=(4 * pairs, 4), squeeze=False)
-        for l, ax in zip(np.linspace(0, stats.affinity.shape[0] - 1, pairs).astype(int), axes[0]):
-            ax.imshow(stats.affinity[l], cmap="magma")
-            ax.set(title=f"affinity layer {l} -> {l + 1}", xlabel="expert at l+1", ylabel="expert at l")
-        fig.tight_layout()
+        pairs = stats.affinity.shape[0]
+        shown = np.unique(np.linspace(0, pairs - 1, min(pairs, 8)).round().astype(int))  # every pair, or 8 spread
+        cols = min(4, len(shown))
+        rows = -(-len(shown) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.4 * rows), squeeze=False)
+        for ax in axes.flat[len(shown):]:
+            ax.set_axis_off()
+        for l, ax in zip(shown, axes.flat):
+            im = ax.imshow(stats.affinity[l], cmap="magma", vmin=0, vmax=1)
+            ax.set(title=f"layer {l} -> {l + 1}", xlabel=f"expert at layer {l + 1}", ylabel=f"expert at layer {l}")
+            for axis in (ax.xaxis, ax.yaxis):
+                axis.set_major_locator(MaxNLocator(integer=True))
+        fig.colorbar(im, ax=axes, label="P(expert at l+1 | expert at l)")
+        fig.suptitle(f"affinity between consecutive layers ({len(shown)} of {pairs} pairs)")
         written.append(out / "affinity.png")
         fig.savefig(written[-1], dpi=110)
         plt.close(fig)
     return written
 
 
+def check_report_dir(out: Path) -> Path:
+    """Refuse, before any work, a report folder that cannot be written or that holds other files than a report."""
+    check_output(out, folder=True)
+    if out.is_dir() and any(out.iterdir()) and not (out / "report.json").exists():
+        raise ValueError(f"{out} holds other files and no report; give a new or empty folder, or a report folder "
+                         "to overwrite")
+    return out
+
+
 def write_report(report: AccuracyReport, out: Path, stats: RoutingStats | None = None, extra_md: str = "") -> Path:
     """Write report.json, report.md and the plots into ``out``."""
+    check_report_dir(out)
     out.mkdir(parents=True, exist_ok=True)
     report.info["plots"] = [p.name for p in plot_all(report, stats, out)]
     save_json(report, out / "report.json")

@@ -42,12 +42,32 @@ def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> Expe
     path = Path(path)
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"{path} is not a predictor folder (needs config.json and model.safetensors)")
-    config = json.loads((path / "config.json").read_text())
+    try:
+        config = json.loads((path / "config.json").read_text())
+        spec = FeatureSpec(**config["feature_spec"])
+        widths, dropout = tuple(config["widths"]), config["dropout"]
+    except (json.JSONDecodeError, KeyError, TypeError) as err:
+        raise ValueError(f"{path / 'config.json'} is not a predictor config ({type(err).__name__}: {err})") from err
     if config.get("version") != ARTIFACT_VERSION:
         raise ValueError(f"{path}: predictor format version {config.get('version')} is not supported "
                          f"(expected {ARTIFACT_VERSION})")
-    model = ExpertPredictor(FeatureSpec(**config["feature_spec"]), tuple(config["widths"]), config["dropout"])
-    model.load_state_dict(load_file(str(path / "model.safetensors")))
+    geometry = config.get("geometry")
+    if geometry and (geometry.get("num_layers"), geometry.get("num_experts"), geometry.get("top_k")) != (
+            spec.num_layers, spec.num_experts, spec.top_k):
+        raise ValueError(f"{path / 'config.json'}: its geometry block (L={geometry.get('num_layers')}, "
+                         f"E={geometry.get('num_experts')}, k={geometry.get('top_k')}) contradicts its feature spec "
+                         f"(L={spec.num_layers}, E={spec.num_experts}, k={spec.top_k}); the artifact was edited")
+    model = ExpertPredictor(spec, widths, dropout)
+    state = load_file(str(path / "model.safetensors"))
+    expected = model.state_dict()
+    wrong = [f"{name} {tuple(t.shape)} (config says {tuple(expected[name].shape)})" for name, t in state.items()
+             if name in expected and t.shape != expected[name].shape]
+    missing = sorted(expected.keys() - state.keys())
+    if wrong or missing:
+        raise ValueError(f"{path}: model.safetensors does not fit config.json: "
+                         + (f"{len(wrong)} tensor(s) of another shape, e.g. {wrong[0]}" if wrong
+                            else f"missing {', '.join(missing[:3])}"))
+    model.load_state_dict(state)
     model.config = config
     return model.to(device).eval()
 

@@ -19,6 +19,7 @@ import duoserve
 from duoserve.data.tasks import DatasetSpec, Request, load_requests
 from duoserve.discovery import MoEGeometry, find_moe_layers, moe_geometry
 from duoserve.embedded import EMBEDDED_NAME
+from duoserve.files import check_output
 from duoserve.loading import load_model
 from duoserve.trace.format import TraceMeta, nextgate_column
 from duoserve.trace.hooks import ForwardRecord, RoutingRecorder
@@ -120,7 +121,9 @@ class CollectSettings:
     device: str = "auto"
     dtype: str = "auto"
     revision: str | None = None
-    rows_per_part: int = 200_000
+    rows_per_part: int = 200_000  # a part file is written at whichever of these bounds comes first,
+    requests_per_part: int = 32  # so a crash loses at most that much work
+    seconds_per_part: float = 60.0
 
 
 @dataclass
@@ -145,12 +148,18 @@ def collect(s: CollectSettings, on_batch: Callable[[int, int], None] | None = No
     start = time.time()
     if s.batch_size < 1 or s.max_new_tokens < 0 or s.lookahead < 0 or s.max_prompt_tokens < 1:
         raise ValueError("batch size and max prompt tokens must be >= 1; max new tokens and lookahead >= 0")
+    if s.rows_per_part < 1 or s.requests_per_part < 1 or s.seconds_per_part <= 0:
+        raise ValueError("rows and requests per part file must be >= 1 and seconds per part file > 0")
     if not s.datasets:
         raise ValueError("no dataset given")
+    check_output(s.out, folder=True)
     requests = [r for spec in s.datasets for r in load_requests(spec, s.fraction, s.count, s.seed)]
     model, tokenizer = load_model(s.model, s.device, s.dtype, s.revision)
     layers = find_moe_layers(model, s.model)
     geometry = moe_geometry(model, layers)
+    if s.lookahead > geometry.num_layers - 1:
+        raise ValueError(f"look-ahead {s.lookahead} reaches past the model's last MoE layer: {s.model} has "
+                         f"{geometry.num_layers}, so at most {geometry.num_layers - 1}")
     recorder = RoutingRecorder(layers, geometry.top_k, s.lookahead)
     meta = TraceMeta(
         model=s.model, revision=s.revision, num_layers=geometry.num_layers, num_experts=geometry.num_experts,
@@ -170,7 +179,7 @@ def collect(s: CollectSettings, on_batch: Callable[[int, int], None] | None = No
     lengths = [len(ids) for ids in tokenizer([r.prompt for r in todo])["input_ids"]] if todo else []
     todo = [todo[i] for i in np.argsort(lengths, kind="stable")[::-1]]  # long first: less padding, early OOM
 
-    writer = TraceWriter(s.out, meta, rank, s.rows_per_part)
+    writer = TraceWriter(s.out, meta, rank, s.rows_per_part, s.requests_per_part, s.seconds_per_part)
     rows = {"prefill": 0, "decode": 0}
     for i in range(0, len(todo), s.batch_size):
         batch = todo[i:i + s.batch_size]

@@ -1,6 +1,6 @@
 """The routing-trace contract: a folder of Parquet part files, one row per routed token.
 
-Columns (see DESIGN.md): request_id int64, dataset string, phase "prefill" | "decode",
+Columns (docs/design.md): request_id int64, dataset string, phase "prefill" | "decode",
 position int32, token_id int32, experts fixed_size_list<int16>[L*k] (layer-major, router order),
 scores fixed_size_list<float16>[L*k] (router weights), and optional next-gate columns:
 ``nextgate`` (depth 1: layer l+1's router on layer l's MoE input, (L-1)*k ids) and

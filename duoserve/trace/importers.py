@@ -102,16 +102,18 @@ def _long_batches(path: Path, s: ImportSettings) -> Iterator[pa.RecordBatch]:
     import pyarrow.parquet as pq
 
     suffix = path.suffix.lstrip(".")
-    if suffix in ("jsonl", "json"):
-        reader = pjson.open_json(path, read_options=pjson.ReadOptions(block_size=64 << 20))
-    elif suffix == "csv":
-        reader = pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=64 << 20),
-                               convert_options=pcsv.ConvertOptions(column_types={s.experts: pa.string()}))
-    elif suffix == "parquet":
-        reader = pq.ParquetFile(path).iter_batches(batch_size=s.batch_rows)
-    else:
+    if suffix not in ("jsonl", "json", "csv", "parquet"):
         raise ImportFormatError(f"{path}: long format reads .jsonl, .json, .csv or .parquet, not {path.suffix!r}")
-    yield from reader
+    try:  # a malformed line: pyarrow names the row, not the file
+        if suffix == "csv":
+            yield from pcsv.open_csv(path, read_options=pcsv.ReadOptions(block_size=64 << 20),
+                                     convert_options=pcsv.ConvertOptions(column_types={s.experts: pa.string()}))
+        elif suffix == "parquet":
+            yield from pq.ParquetFile(path).iter_batches(batch_size=s.batch_rows)
+        else:
+            yield from pjson.open_json(path, read_options=pjson.ReadOptions(block_size=64 << 20))
+    except pa.ArrowInvalid as err:
+        raise ImportFormatError(f"{path}: {err}") from err
 
 
 def _list_column(batch: pa.RecordBatch, name: str, path: Path, value_type: pa.DataType = pa.int64()) -> pa.Array:
@@ -129,6 +131,20 @@ def _column(batch: pa.RecordBatch, name: str, path: Path) -> np.ndarray:
     if name not in batch.schema.names:
         raise ImportFormatError(f"{path}: no column {name!r}; columns are {batch.schema.names}")
     return batch.column(name).to_numpy(zero_copy_only=False)
+
+
+def _integers(batch: pa.RecordBatch, name: str, path: Path, fmt: str, offset: int) -> np.ndarray:
+    """A column as int64, naming the file, line and value of the first entry that is not an integer."""
+    values = _column(batch, name, path)
+    try:
+        return values.astype(np.int64)
+    except (TypeError, ValueError):
+        for i, v in enumerate(values):
+            try:
+                int(v)
+            except (TypeError, ValueError):
+                raise ImportFormatError(f"{path} {_line(fmt, offset + i)}: {name} {v!r} is not an integer") from None
+        raise
 
 
 def _refuse_out_of_range(values: np.ndarray, limit: int | None, path: Path, fmt: str, offset: int, what: str) -> None:
@@ -163,9 +179,9 @@ class _LongPivot:
     def rows(self, batch: pa.RecordBatch, offset: int) -> dict[str, np.ndarray]:
         s, path = self.s, self.path
         ids = _fixed(_list_column(batch, s.experts, path), self.k, path, self.fmt, offset, "experts")
-        layer = _column(batch, s.layer, path).astype(np.int64)
-        cols = {"row": offset + np.arange(len(layer)), "request": _column(batch, s.request, path).astype(np.int64),
-                "token": _column(batch, s.token, path).astype(np.int64), "layer": layer, "ids": ids}
+        layer = _integers(batch, s.layer, path, self.fmt, offset)
+        cols = {"row": offset + np.arange(len(layer)), "request": _integers(batch, s.request, path, self.fmt, offset),
+                "token": _integers(batch, s.token, path, self.fmt, offset), "layer": layer, "ids": ids}
         _refuse_out_of_range(ids, self.E, path, self.fmt, offset, "expert id")
         _refuse_out_of_range(layer, self.L, path, self.fmt, offset, "layer")
         if s.scores:
@@ -231,7 +247,7 @@ def _scan_long(path: Path, s: ImportSettings) -> tuple[int, int, int]:
             ids = _fixed(col, k, path, fmt, offset, "experts")
             k = ids.shape[1]
             _refuse_out_of_range(ids, s.num_experts, path, fmt, offset, "expert id")
-            L = max(L, int(pc.max(batch.column(s.layer)).as_py()))
+            L = max(L, int(_integers(batch, s.layer, path, fmt, offset).max()))
             E = max(E, int(ids.max()))
         offset += batch.num_rows
     if L < 0:

@@ -9,6 +9,7 @@ dropped. Under torchrun / accelerate each rank writes ``part-r{rank}-*`` for its
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -52,10 +53,16 @@ def finished_requests(out: Path) -> set[tuple[str, int]]:
 
 
 class TraceWriter:
-    """Buffers row columns and writes a part file whenever ``rows_per_part`` rows are buffered."""
+    """Buffers row columns and writes a part file whenever ``rows_per_part`` rows, ``requests_per_part`` requests
+    or ``seconds_per_part`` seconds of work are buffered, whichever comes first: a crash loses at most that much."""
 
-    def __init__(self, out: Path, meta: TraceMeta, rank: int = 0, rows_per_part: int = 200_000):
+    def __init__(self, out: Path, meta: TraceMeta, rank: int = 0, rows_per_part: int = 200_000,
+                 requests_per_part: int | None = None, seconds_per_part: float | None = None):
+        for name, value in (("rows", rows_per_part), ("requests", requests_per_part), ("seconds", seconds_per_part)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} per part file must be positive, got {value}")
         self.out, self.rank, self.rows_per_part = out, rank, rows_per_part
+        self.requests_per_part, self.seconds_per_part = requests_per_part, seconds_per_part
         self.schema = arrow_schema(meta)
         for stale in out.glob(f".part-r{rank:03d}-*.tmp"):
             stale.unlink()
@@ -63,10 +70,13 @@ class TraceWriter:
         own = [f for f in own if f.name.startswith(f"part-r{rank:03d}-")]
         self._seq = 1 + max((int(f.stem.rsplit("-", 1)[1]) for f in own), default=-1)
         self._buffer: list[pa.RecordBatch] = []
-        self._buffered = 0
+        self._buffered = self._requests = 0
+        self._since = time.monotonic()
 
     def add(self, columns: dict[str, np.ndarray]) -> None:
-        """Add rows: 1-D arrays for scalar columns, 2-D (rows x width) arrays for list columns."""
+        """Add rows of whole requests: 1-D arrays for scalar columns, 2-D (rows x width) arrays for list columns."""
+        if not self._buffered:
+            self._since = time.monotonic()
         arrays = []
         for f in self.schema:
             col = columns[f.name]
@@ -78,7 +88,10 @@ class TraceWriter:
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
         self._buffer.append(batch)
         self._buffered += batch.num_rows
-        if self._buffered >= self.rows_per_part:
+        self._requests += len(set(zip(columns["dataset"].tolist(), columns["request_id"].tolist())))
+        if (self._buffered >= self.rows_per_part
+                or (self.requests_per_part is not None and self._requests >= self.requests_per_part)
+                or (self.seconds_per_part is not None and time.monotonic() - self._since >= self.seconds_per_part)):
             self.flush()
 
     def flush(self) -> None:
@@ -88,4 +101,4 @@ class TraceWriter:
         with atomic_path(path) as tmp:
             pq.write_table(pa.Table.from_batches(self._buffer, schema=self.schema), tmp, compression="zstd")
         self._seq += 1
-        self._buffer, self._buffered = [], 0
+        self._buffer, self._buffered, self._requests = [], 0, 0

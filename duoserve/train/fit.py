@@ -6,13 +6,19 @@ Shape legend: B examples in a batch, L MoE layers, E experts, k top-k.
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import lightning as pl
 import numpy as np
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
@@ -26,6 +32,7 @@ from duoserve.features.examples import (
     split_requests,
 )
 from duoserve.features.stats import stats_from_ids
+from duoserve.files import check_output, write_json
 from duoserve.metrics import topk_metrics
 from duoserve.predictor.artifact import save_predictor
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
@@ -44,8 +51,10 @@ class FitResult:
     train_examples: int
     val_examples: int
     epochs: int
-    seconds: float
+    seconds: float  # of this run only: a resumed fit does not count the interrupted one
     info: dict = field(default_factory=dict)
+    work_dir: Path | None = None  # checkpoints and logs (None once cleaned)
+    resumed: bool = False  # continued from a checkpoint: close to, but not bit-exact with, an uninterrupted fit
 
 
 @torch.no_grad()
@@ -84,6 +93,7 @@ def fit(s: FitSettings) -> FitResult:
         raise ValueError(f"unknown feature(s) {sorted(unknown)}; choose from {', '.join(FEATURES)}")
     if s.epochs < 1 or s.batch_size < 1 or s.lr <= 0:
         raise ValueError("epochs and batch size must be >= 1 and the learning rate > 0")
+    check_output(s.out, folder=True)
     if s.out.exists() and not (s.out / "config.json").exists():
         raise FileExistsError(f"{s.out} exists and is not a predictor folder; give a new --out")
     traces = [open_trace(p) for p in s.traces]
@@ -112,29 +122,37 @@ def fit(s: FitSettings) -> FitResult:
     stats = stats_from_ids(table.ids[train_token], E)  # training requests only: nothing leaks from validation
 
     work = _work_dir(s)
-    run = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items() if k not in ("progress", "out")}
-    run["traces"] = [str(p) for p in s.traces]
-    run_file, resume = work / "run.json", None
-    if run_file.exists():
-        if json.loads(run_file.read_text()) != json.loads(json.dumps(run)):
-            raise FileExistsError(f"{work} holds a fit with other settings; remove it or use another --out")
-        last = work / "checkpoints" / "last.ckpt"
-        resume = str(last) if last.exists() else None
-    work.mkdir(parents=True, exist_ok=True)
-    run_file.write_text(json.dumps(run, indent=2))
-
     pl.seed_everything(s.seed, verbose=False)
     module = PredictorModule(spec.to_dict(), tuple(s.widths), s.dropout, s.lr, s.weight_decay,
                              torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity))
     checkpoint = ModelCheckpoint(dirpath=work / "checkpoints", monitor=MONITOR, mode="max", save_last=True)
-    trainer = pl.Trainer(
-        max_epochs=s.epochs, accelerator=s.accelerator, devices=s.devices, strategy=s.strategy,
-        callbacks=[checkpoint, EarlyStopping(monitor=MONITOR, mode="max", patience=s.patience)],
-        logger=CSVLogger(work, name="logs"), default_root_dir=work, enable_progress_bar=s.progress,
-        enable_model_summary=False, num_sanity_val_steps=0,
-    )
-    trainer.fit(module, datamodule=RoutingDataModule(table, train, val, s.batch_size), ckpt_path=resume)
-    result = FitResult(None, {}, len(train.token), len(val.token), trainer.current_epoch, 0.0)
+    with _quiet(s.verbose):
+        try:  # Lightning checks accelerator, devices and strategy here: before anything is written
+            trainer = pl.Trainer(
+                max_epochs=s.epochs, accelerator=s.accelerator, devices=s.devices, strategy=s.strategy,
+                callbacks=[checkpoint, EarlyStopping(monitor=MONITOR, mode="max", patience=s.patience)],
+                logger=CSVLogger(work, name="logs"), default_root_dir=work, enable_progress_bar=s.progress,
+                enable_model_summary=False, num_sanity_val_steps=0,
+            )
+        except MisconfigurationException as err:
+            raise ValueError(f"Lightning cannot run accelerator={s.accelerator!r}, devices={s.devices!r}, "
+                             f"strategy={s.strategy!r} here: {err}") from err
+    # what must match to resume: the data and the model, not where it runs
+    run = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(s).items() if k not in _NOT_RUN_IDENTITY}
+    run["traces"] = [str(p) for p in s.traces]
+    if s.clean and work.exists():
+        shutil.rmtree(work)
+    run_file, last = work / "run.json", work / "checkpoints" / "last.ckpt"
+    resume = str(last) if last.exists() else None
+    if resume and json.loads(run_file.read_text()) != json.loads(json.dumps(run)):
+        raise FileExistsError(f"{work} holds a fit with other settings; pass --clean to start afresh, or use "
+                              "another --out")
+    write_json(run_file, run)
+
+    with _quiet(s.verbose):
+        trainer.fit(module, datamodule=RoutingDataModule(table, train, val, s.batch_size), ckpt_path=resume)
+    result = FitResult(None, {}, len(train.token), len(val.token), trainer.current_epoch, 0.0, work_dir=work,
+                       resumed=resume is not None)
     if not trainer.is_global_zero:
         return result
 
@@ -157,4 +175,30 @@ def fit(s: FitSettings) -> FitResult:
     }
     result.out = save_predictor(best, s.out, info, train_requests)
     result.metrics, result.info, result.seconds = metrics, info, time.time() - start
+    if s.clean:
+        shutil.rmtree(work)
+        result.work_dir = None
     return result
+
+
+_NOT_RUN_IDENTITY = ("progress", "out", "accelerator", "devices", "strategy", "verbose", "clean")
+
+
+@contextmanager
+def _quiet(verbose: bool) -> Iterator[None]:
+    """Lightning's banners, tips and its own deprecation warnings off, unless ``verbose``."""
+    if verbose:
+        yield
+        return
+    loggers = [logging.getLogger(name) for name in ("lightning.pytorch", "lightning.fabric")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.WARNING)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", category=FutureWarning, module=r"lightning\..*|copyreg")
+            warnings.filterwarnings("ignore", message=r".*(LeafSpec|log_every_n_steps|num_workers).*")
+            yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)

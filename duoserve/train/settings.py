@@ -36,3 +36,5 @@ class FitSettings:
     devices: str | int = "auto"
     strategy: str = "auto"
     progress: bool = True
+    verbose: bool = False  # Lightning's own banners and warnings
+    clean: bool = False  # start afresh (drop earlier checkpoints), and remove checkpoints and logs once exported
