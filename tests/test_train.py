@@ -102,24 +102,6 @@ def test_geometry_mismatch_and_bad_inputs_are_refused(fitted, tmp_path):
     assert not (tmp_path / "p").exists()
 
 
-def test_ddp_fit_on_two_cpu_processes(tmp_path):
-    """Lightning's DDP strategy through the CLI: two processes train, rank 0 exports (and writes ONNX)."""
-    from pathlib import Path
-
-    ids = np.random.default_rng(0).integers(0, 6, (400, 3, 2))
-    trace = write_trace(tmp_path / "t", ids, np.arange(400) // 10)
-    cli = Path(sys.executable).parent / "duoserve-train"
-    out = subprocess.run([str(cli), "fit", str(trace.path), "--out", str(tmp_path / "p"), "--accelerator", "cpu",
-                          "--devices", "2", "--strategy", "ddp", "--widths", "16", "--epochs", "1",
-                          "--val-fraction", "0.3", "--onnx"], capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert out.returncode == 0, out.stderr[-2000:]
-    config = json.loads((tmp_path / "p" / "config.json").read_text())
-    assert config["training"]["epochs_run"] == 1 and "predictor" in config["metrics"]["validation"]
-    assert load_predictor(tmp_path / "p").spec.num_layers == 3
-    assert (tmp_path / "p" / "model.onnx").stat().st_size > 0 and "ONNX:" in out.stdout
-
-
 def test_a_refused_fit_leaves_nothing_and_clean_removes_the_checkpoints(embedded_trace, embedded_predictor, tmp_path):
     from duoserve.train.fit import FitSettings, fit
 

@@ -72,6 +72,8 @@ def fit_cmd(
     accelerator: Annotated[str, typer.Option(help="Lightning accelerator: auto, cpu, gpu.")] = FIT.accelerator,
     devices: Annotated[str, typer.Option(help="Lightning devices: auto, 1, 2, ...")] = str(FIT.devices),
     strategy: Annotated[str, typer.Option(help="Lightning strategy: auto, ddp, ...")] = FIT.strategy,
+    num_nodes: Annotated[int, typer.Option(min=1, help="Machines (Lightning's num_nodes; launch each with torchrun "
+                                                       "or your cluster's launcher).")] = FIT.num_nodes,
     onnx: Annotated[bool, typer.Option(
         help="Also write model.onnx into the artifact, checked against PyTorch (needs duoserve[onnx]).")] = False,
     clean: Annotated[bool, typer.Option(
@@ -88,7 +90,8 @@ def fit_cmd(
             widths=int_list(widths, "--widths"),
             features=tuple(feature) if feature else FIT.features, epochs=epochs, patience=patience,
             batch_size=batch_size, lr=lr, accelerator=accelerator,
-            devices=int(devices) if devices.isdigit() else devices, strategy=strategy, clean=clean, verbose=verbose)
+            devices=int(devices) if devices.isdigit() else devices, strategy=strategy, num_nodes=num_nodes,
+            clean=clean, verbose=verbose)
         result = fit(settings)
     if result.out is None:
         return

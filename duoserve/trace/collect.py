@@ -170,9 +170,8 @@ def collect(s: CollectSettings, on_batch: Callable[[int, int], None] | None = No
                     "dtype": s.dtype},
     )
     run = {k: v for k, v in asdict(meta).items() if k != "package_version"}
-    prepare_out_dir(s.out, run)
-
     rank, world = _rank()
+    prepare_out_dir(s.out, run, rank)
     share = requests[rank::world]
     done = finished_requests(s.out)
     todo = [r for r in share if (r.dataset, r.request_id) not in done]

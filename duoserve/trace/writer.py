@@ -22,14 +22,20 @@ from duoserve.trace.format import TraceMeta, arrow_schema, part_files
 RUN_FILE = "_run.json"
 
 
-def prepare_out_dir(out: Path, run: dict) -> None:
+def prepare_out_dir(out: Path, run: dict, rank: int = 0, wait_s: float = 600.0) -> None:
     """Create ``out`` for a run, or check that it holds a trace of the same run (to resume).
 
-    Raises if ``out`` is a file, a non-trace folder with files in it, or a trace of other arguments.
+    Under torchrun only rank 0 creates the folder; the other ranks wait (up to ``wait_s``) for its run file and
+    check it. Raises if ``out`` is a file, a non-trace folder with files in it, or a trace of other arguments.
     """
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file, not a folder")
     run_file = out / RUN_FILE
+    deadline = time.monotonic() + wait_s
+    while rank and not run_file.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank}: rank 0 did not create {run_file} within {wait_s:.0f} s")
+        time.sleep(0.1)
     if run_file.exists():
         previous = json.loads(run_file.read_text())
         if previous != run:

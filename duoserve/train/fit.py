@@ -130,6 +130,7 @@ def fit(s: FitSettings) -> FitResult:
         try:  # Lightning checks accelerator, devices and strategy here: before anything is written
             trainer = pl.Trainer(
                 max_epochs=s.epochs, accelerator=s.accelerator, devices=s.devices, strategy=s.strategy,
+                num_nodes=s.num_nodes,
                 callbacks=[checkpoint, EarlyStopping(monitor=MONITOR, mode="max", patience=s.patience)],
                 logger=CSVLogger(work, name="logs"), default_root_dir=work, enable_progress_bar=s.progress,
                 enable_model_summary=False, num_sanity_val_steps=0,
@@ -170,7 +171,9 @@ def fit(s: FitSettings) -> FitResult:
                   "train_requests": len(train_requests),
                   "val_requests": int(val_request.sum())},
         "training": {"epochs_run": trainer.current_epoch, "best_epoch_checkpoint": Path(checkpoint.best_model_path).name,
-                     "lr": s.lr, "weight_decay": s.weight_decay, "batch_size": s.batch_size, "seed": s.seed},
+                     "lr": s.lr, "weight_decay": s.weight_decay, "seed": s.seed,
+                     "batch_size": s.batch_size, "world_size": trainer.world_size,  # global batch: their product
+                     "strategy": type(trainer.strategy).__name__},
         "metrics": {"validation": metrics},
     }
     result.out = save_predictor(best, s.out, info, train_requests)
@@ -181,7 +184,7 @@ def fit(s: FitSettings) -> FitResult:
     return result
 
 
-_NOT_RUN_IDENTITY = ("progress", "out", "accelerator", "devices", "strategy", "verbose", "clean")
+_NOT_RUN_IDENTITY = ("progress", "out", "accelerator", "devices", "strategy", "num_nodes", "verbose", "clean")
 
 
 @contextmanager

@@ -35,6 +35,7 @@ class FitSettings:
     accelerator: str = "auto"
     devices: str | int = "auto"
     strategy: str = "auto"
+    num_nodes: int = 1  # machines, for Lightning's multi-node strategies
     progress: bool = True
     verbose: bool = False  # Lightning's own banners and warnings
     clean: bool = False  # start afresh (drop earlier checkpoints), and remove checkpoints and logs once exported
