@@ -63,15 +63,21 @@ def _dtype(dtype: str):
 def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
     """Model (eval mode, on ``device``) and tokenizer (left padding) from a hub id, a local path or 'embedded'."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
     torch_dtype = _dtype(dtype)
     path = _local_or_hub(model)
     target = resolve_device(device)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per shard: the commands draw their own progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
         net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"could not load model {model!r}: {err}") from err
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     tokenizer.padding_side = "left"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

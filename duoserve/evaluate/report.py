@@ -102,12 +102,14 @@ def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> l
         shown = np.unique(np.linspace(0, pairs - 1, min(pairs, 8)).round().astype(int))  # every pair, or 8 spread
         cols = min(4, len(shown))
         rows = -(-len(shown) // cols)
-        fig, axes = plt.subplots(rows, cols, figsize=(3.6 * cols, 3.4 * rows), squeeze=False)
+        fig, axes = plt.subplots(rows, cols, figsize=(3.4 * cols + 1, 3.2 * rows), squeeze=False,
+                                 layout="constrained")
         for ax in axes.flat[len(shown):]:
             ax.set_axis_off()
-        for l, ax in zip(shown, axes.flat):
-            im = ax.imshow(stats.affinity[l], cmap="magma", vmin=0, vmax=1)
-            ax.set(title=f"layer {l} -> {l + 1}", xlabel=f"expert at layer {l + 1}", ylabel=f"expert at layer {l}")
+        top = float(stats.affinity[shown].max()) or 1.0  # one colour scale for every pair shown
+        for i, (l, ax) in enumerate(zip(shown, axes.flat)):
+            im = ax.imshow(stats.affinity[l], cmap="magma", vmin=0, vmax=top)
+            ax.set(title=f"layer {l} -> {l + 1}", xlabel="expert at l+1", ylabel="expert at l" if i % cols == 0 else "")
             for axis in (ax.xaxis, ax.yaxis):
                 axis.set_major_locator(MaxNLocator(integer=True))
         fig.colorbar(im, ax=axes, label="P(expert at l+1 | expert at l)")
