@@ -82,7 +82,9 @@ def loaded(tmp_path_factory) -> dict[str, set[str]]:
     """What each probe's fresh interpreter loaded; the probes run side by side (each pays torch's import)."""
     folder = tmp_path_factory.mktemp("predictor") / "p"
     library = [m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name) if m not in MAY_FIT]
-    codes = {name: _imports_all(_modules(name)) for name in ("runtime", "predictor", "features", "trace", "bench")}
+    # the stages whose freedom from Lightning and later stages matters most at run time; the others' own
+    # imports are checked statically above, and a duoserve import chain is only as loose as its weakest rule
+    codes = {name: _imports_all(_modules(name)) for name in ("runtime", "bench")}
     codes["evaluate"] = _imports_all([m for m in _modules("evaluate") if m not in MAY_FIT])
     codes["library"] = _imports_all(library)
     codes["load_predictor"] = (
@@ -105,7 +107,7 @@ def test_no_stage_imports_a_later_one_in_its_source(name):
         assert not _hits(_imports(module), forbidden), f"{module} imports {_hits(_imports(module), forbidden)}"
 
 
-@pytest.mark.parametrize("name", ["runtime", "predictor", "features", "trace", "bench"])
+@pytest.mark.parametrize("name", ["runtime", "bench"])
 def test_importing_a_stage_loads_nothing_it_must_not(loaded, name):
     assert not _hits(loaded[name], FORBIDDEN[name]), _hits(loaded[name], FORBIDDEN[name])
 

@@ -17,7 +17,7 @@ BIN = Path(sys.executable).parent
 
 
 def _fit(trace: Path, out: Path, devices: int, batch_size: int) -> dict:
-    command = [str(BIN / "duoserve-train"), "fit", str(trace), "--out", str(out), "--phase", "decode", "--epochs", "2",
+    command = [str(BIN / "duoserve-train"), "fit", str(trace), "--out", str(out), "--phase", "decode", "--epochs", "1",
                "--widths", "64", "--batch-size", str(batch_size), "--accelerator", "cpu", "--devices", str(devices),
                "--clean", *(["--strategy", "ddp", "--onnx"] if devices > 1 else [])]
     subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
@@ -38,7 +38,7 @@ def test_two_process_ddp_fit_matches_one_process_with_the_same_global_batch(embe
 
 
 def test_a_two_rank_torchrun_collection_equals_a_one_rank_run(tmp_path):
-    args = ["collect", "--count", "6", "--max-new-tokens", "8", "--device", "cpu"]
+    args = ["collect", "--count", "4", "--max-new-tokens", "6", "--device", "cpu"]
     subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "duoserve.cli.trace", *args,
                     "--out", str(tmp_path / "two")], check=True, capture_output=True, timeout=600)
     subprocess.run([str(BIN / "duoserve-trace"), *args, "--out", str(tmp_path / "one")], check=True,
