@@ -149,3 +149,34 @@ def test_round_trip_reproduces_the_trace(embedded_trace, tmp_path):
     info = CliRunner().invoke(trace_app, ["info", str(tmp_path / "t")])
     text = " ".join(info.output.split())  # the console wraps the first line where the temp path is long
     assert info.exit_code == 0 and "squad-sample" in text and "model imported" in text
+
+
+def test_a_killed_import_resumes_writing_no_token_twice(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    rng = np.random.default_rng(0)
+    T, L = 30_000, 4
+    ids = np.argsort(rng.random((T, L, 8)), axis=2)[..., :2]  # distinct top-2 of 8 experts
+    log = tmp_path / "log.jsonl"
+    log.write_text("".join(f'{{"request_id": {t // 100}, "token": {t % 100}, "layer": {l}, '
+                           f'"experts": [{ids[t, l, 0]}, {ids[t, l, 1]}]}}\n' for t in range(T) for l in range(L)))
+    command = [sys.executable, "-m", "duoserve.cli.trace", "import", str(log), "--part-rows", "500"]
+    proc = subprocess.Popen([*command, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while not list((tmp_path / "killed").glob("part-*.parquet")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL and list((tmp_path / "killed").glob("part-*.parquet"))
+    state = json.loads((tmp_path / "killed" / "_import.json").read_text())
+    assert not state["complete"] and state["current"] == "log.jsonl"  # killed mid-file, with parts on disk
+    subprocess.run([*command, "--out", str(tmp_path / "killed")], check=True, capture_output=True)
+    subprocess.run([*command, "--out", str(tmp_path / "whole")], check=True, capture_output=True)
+    resumed, whole = _rows(open_trace(tmp_path / "killed")), _rows(open_trace(tmp_path / "whole"))
+    assert len(resumed) == len(whole) == T  # every token, once
+    for col in ("request_id", "position", "experts"):
+        assert resumed[col].map(repr).tolist() == whole[col].map(repr).tolist(), col

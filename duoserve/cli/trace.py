@@ -132,14 +132,20 @@ def import_cmd(
     = None,
     top_k: Annotated[Optional[int], typer.Option(help="Declared top-k (checked). [default: inferred]")] = None,
     model: Annotated[str, typer.Option(help="Model name to record in the trace metadata.")] = IMPORT.model,
+    part_rows: Annotated[int, typer.Option(min=1, help="A part file at the latest every this many tokens (what a "
+                                                       "crash can lose at most) ...")] = IMPORT.rows_per_part,
+    part_seconds: Annotated[float, typer.Option(min=1, help="... or every this many seconds.")]
+    = IMPORT.seconds_per_part,
 ) -> None:
-    """Convert routing logs from serving engines (vLLM, SGLang, your own) into a duoserve trace."""
+    """Convert routing logs from serving engines (vLLM, SGLang, your own) into a duoserve trace (resumable: run the
+    same command again after a crash)."""
     from duoserve.trace.importers import import_trace
 
     settings = ImportSettings(source=source, out=out, format=format, request=request, token=token, layer=layer,
                               experts=experts, scores=scores, dataset_column=dataset_column, phase_column=phase_column,
                               token_id_column=token_id_column, dataset=dataset, phase=phase, layout=layout,
-                              num_layers=num_layers, num_experts=num_experts, top_k=top_k, model=model)
+                              num_layers=num_layers, num_experts=num_experts, top_k=top_k, model=model,
+                              rows_per_part=part_rows, seconds_per_part=part_seconds)
     with user_errors():
         with progress("importing (tokens)") as update:
             result = import_trace(settings, lambda n: update(completed=n))

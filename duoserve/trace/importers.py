@@ -15,26 +15,30 @@ Formats (shape legend: n rows, T tokens, L MoE layers, E experts, k top-k):
 
 The long format streams; a ``.pt`` or ``.npy``/``.npz`` file is read whole. A token missing any
 MoE layer is dropped and counted, never silently. Duplicate rows, expert ids
-out of range, ragged k and mixed geometry are errors that name the file and row. The trace
-appears at ``out`` only when the import finished (written in a temporary folder, then renamed).
+out of range, ragged k and mixed geometry are errors that name the file and row; a failed import of a
+new folder leaves nothing. Part files land as the import goes, with ``_import.json`` recording its
+progress, so a killed import resumes from the same command without writing any token twice.
 Unknown per-token fields get placeholders: token_id -1, scores NaN.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet  # noqa: F401  (pa.parquet: part file row counts)
 
 import duoserve
-from duoserve.files import atomic_dir, atomic_path
-from duoserve.trace.format import PHASES, Trace, TraceMeta
+from duoserve.files import atomic_path, write_json
+from duoserve.trace.format import PHASES, Trace, TraceMeta, part_files
 from duoserve.trace.writer import TraceWriter
 
 FORMATS = ("long", "sglang", "npy")
@@ -66,7 +70,8 @@ class ImportSettings:
     top_k: int | None = None
     model: str = "imported"
     batch_rows: int = 1 << 20
-    rows_per_part: int = 200_000
+    rows_per_part: int = 200_000  # a part file at least every this many tokens or seconds: what a crash can lose
+    seconds_per_part: float = 60.0
 
 
 @dataclass
@@ -342,35 +347,87 @@ def _check_geometry(found: tuple[int, int, int], s: ImportSettings, path: Path) 
     return geometry, [n for n, d in zip(names, declared) if d is None]
 
 
+PROGRESS_FILE = "_import.json"
+_IDENTITY = ("format", "request", "token", "layer", "experts", "scores", "dataset_column", "phase_column",
+             "token_id_column", "dataset", "phase", "layout", "num_layers", "num_experts", "top_k", "model")
+
+
+def _identity(s: ImportSettings, files: list[Path]) -> dict:
+    """What must match for a rerun to resume an import: the settings and the source files as they were."""
+    return {"source": str(s.source.resolve()), **{name: getattr(s, name) for name in _IDENTITY},
+            "files": [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]}
+
+
+def _resume_state(out: Path, identity: dict) -> dict | None:
+    """The progress of an earlier run of the same import into ``out``, or None for a fresh one."""
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"--out {out} is a file, not a folder")
+    progress = out / PROGRESS_FILE
+    if progress.exists():
+        state = json.loads(progress.read_text())
+        if state["identity"] != identity:
+            raise FileExistsError(f"{out} holds an import of other sources or settings; give a new --out, or the "
+                                  "same command to resume it")
+        return state
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"--out {out} exists and is not an empty folder")
+    return None
+
+
+def _written_keys(out: Path, first_part: int) -> pd.MultiIndex:
+    """(dataset, request_id, position) of the tokens in part files numbered ``first_part`` or later."""
+    import pyarrow.parquet as pq
+
+    files = [f for f in part_files(out) if int(f.stem.rsplit("-", 1)[1]) >= first_part]
+    if not files:
+        return pd.MultiIndex.from_arrays([[], [], []])
+    table = pa.concat_tables(pq.read_table(f, columns=["dataset", "request_id", "position"]) for f in files)
+    return pd.MultiIndex.from_arrays([table.column(c).to_numpy(zero_copy_only=False)
+                                      for c in ("dataset", "request_id", "position")])
+
+
 def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = None) -> ImportResult:
-    """Convert ``s.source`` into a trace folder at ``s.out``; ``progress(tokens)`` reports as it goes."""
+    """Convert ``s.source`` into a trace folder at ``s.out``; ``progress(tokens)`` reports as it goes.
+
+    Part files land as the import goes (at least every ``rows_per_part`` tokens or ``seconds_per_part``
+    seconds), with ``_import.json`` saying which source files are done: the same command after a crash resumes,
+    writing no token twice. A bad source leaves nothing behind when the folder was new.
+    """
     start = time.time()
     if s.format not in FORMATS:
         raise ValueError(f"unknown format {s.format!r}; choose from {', '.join(FORMATS)}")
-    if s.out.exists() and (not s.out.is_dir() or any(s.out.iterdir())):
-        raise FileExistsError(f"--out {s.out} exists and is not an empty folder")
     files = _source_files(s.source, s.format)
+    identity = _identity(s, files)
+    state = _resume_state(s.out, identity)
 
     if s.format == "long":
         found = tuple(max(v) for v in zip(*(_scan_long(f, s) for f in files))) \
             if None in (s.num_layers, s.num_experts, s.top_k) else (s.num_layers, s.num_experts, s.top_k)
+        blocks = {}
     else:
-        blocks = [b for f in files for b in (_sglang_tokens(f) if s.format == "sglang" else _npy_tokens(f, s))]
-        arrays = [b.ids for b in blocks if isinstance(b, _Tokens)]
+        blocks = {f.name: list(_sglang_tokens(f) if s.format == "sglang" else _npy_tokens(f, s)) for f in files}
+        arrays = [b.ids for per_file in blocks.values() for b in per_file if isinstance(b, _Tokens)]
         if not arrays:
             raise ImportFormatError(f"{s.source}: no complete token in the data")
         found = (arrays[0].shape[1], int(max(a.max() for a in arrays)) + 1, arrays[0].shape[2])
     (L, E, k), inferred = _check_geometry(found, s, files[0])
     if L < 2:
         raise ImportFormatError(f"{s.source}: {L} MoE layer(s); a trace needs at least 2")
+    if state is not None and state["complete"]:
+        return ImportResult(s.out, state["tokens"], state["dropped"], (L, E, k), inferred, time.time() - start)
 
     meta = TraceMeta(model=s.model, num_layers=L, num_experts=E, top_k=k, decoder_indices=list(range(L)),
                      datasets=[{"name": s.dataset, "source": f"import:{s.format}:{s.source}"}],
                      package_version=duoserve.__version__,
                      generation={"imported_from": s.format, "inferred": inferred})
-    with atomic_dir(s.out, replace=True) as tmp:  # an empty --out folder is replaced
-        writer = TraceWriter(tmp, meta, rows_per_part=s.rows_per_part)
-        tokens = dropped = 0
+    fresh = state is None
+    if fresh:
+        state = {"identity": identity, "done": [], "dropped": 0, "current": None, "first_part": 0, "complete": False}
+    try:
+        s.out.mkdir(parents=True, exist_ok=True)
+        writer = TraceWriter(s.out, meta, rows_per_part=s.rows_per_part, seconds_per_part=s.seconds_per_part)
+        tokens = 0
+        skip = pd.MultiIndex.from_arrays([[], [], []])  # tokens an interrupted run already wrote for this file
 
         def write(block: _Tokens) -> None:
             nonlocal tokens
@@ -379,7 +436,7 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
             if not phases <= set(PHASES):
                 raise ImportFormatError(f"{s.source}: phase values {sorted(phases - set(PHASES))} are not "
                                         f"{' or '.join(PHASES)}")
-            writer.add({
+            cols = {
                 "request_id": block.request.astype(np.int64),
                 "dataset": block.dataset if block.dataset is not None else np.full(T, s.dataset, dtype=object),
                 "phase": block.phase if block.phase is not None else np.full(T, s.phase, dtype=object),
@@ -388,33 +445,56 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
                 "experts": block.ids.reshape(T, -1).astype(np.int16),
                 "scores": (block.scores.reshape(T, -1) if block.scores is not None
                            else np.full((T, L * k), np.nan)).astype(np.float16),
-            })
-            tokens += T
+            }
+            if len(skip):
+                new = ~pd.MultiIndex.from_arrays([cols["dataset"], cols["request_id"], cols["position"]]).isin(skip)
+                cols = {name: col[new] for name, col in cols.items()}
+            if len(cols["request_id"]):
+                writer.add(cols)
+                tokens += len(cols["request_id"])
             if progress:
                 progress(tokens)
 
-        if s.format == "long":
-            for f in files:
+        for f in files:
+            if f.name in state["done"]:
+                continue
+            if state["current"] == f.name:  # interrupted in this file: its tokens on disk are not written again
+                skip = _written_keys(s.out, state["first_part"])
+            else:
+                state.update(current=f.name, first_part=writer.next_part)
+                skip = pd.MultiIndex.from_arrays([[], [], []])
+            write_json(s.out / PROGRESS_FILE, state)
+            if s.format == "long":
                 pivot, offset = _LongPivot(s, L, E, k, f), 0
                 for batch in _long_batches(f, s):
                     block = pivot.push(pivot.rows(batch, offset))
                     offset += batch.num_rows
                     if block is not None:
                         write(block)
-                dropped += pivot.finish()
-        else:
-            for b in blocks:
-                if isinstance(b, _Tokens):
-                    if b.ids.max() >= E:
-                        raise ImportFormatError(f"{s.source}: expert id {int(b.ids.max())} >= declared "
-                                                f"num_experts {E}")
-                    write(b)
-                else:
-                    dropped += b
-        writer.flush()
-        if tokens == 0:
+                dropped = pivot.finish()
+            else:
+                dropped = 0
+                for b in blocks[f.name]:
+                    if isinstance(b, _Tokens):
+                        if b.ids.max() >= E:
+                            raise ImportFormatError(f"{s.source}: expert id {int(b.ids.max())} >= declared "
+                                                    f"num_experts {E}")
+                        write(b)
+                    else:
+                        dropped += b
+            writer.flush()
+            state["done"].append(f.name)
+            state["dropped"] += dropped
+        total = sum(pa.parquet.ParquetFile(f).metadata.num_rows for f in part_files(s.out))
+        if total == 0:
             raise ImportFormatError(f"{s.source}: no complete token (every token misses some layer)")
-    return ImportResult(s.out, tokens, dropped, (L, E, k), inferred, time.time() - start)
+    except Exception:
+        if fresh:  # a new folder that could not be completed: nothing left behind
+            shutil.rmtree(s.out, ignore_errors=True)
+        raise
+    state.update(complete=True, current=None, tokens=total)
+    write_json(s.out / PROGRESS_FILE, state)
+    return ImportResult(s.out, total, state["dropped"], (L, E, k), inferred, time.time() - start)
 
 
 def export_long(trace: Trace, path: Path) -> int:

@@ -79,6 +79,11 @@ class TraceWriter:
         self._buffered = self._requests = 0
         self._since = time.monotonic()
 
+    @property
+    def next_part(self) -> int:
+        """The sequence number the next part file of this rank will get."""
+        return self._seq
+
     def add(self, columns: dict[str, np.ndarray]) -> None:
         """Add rows of whole requests: 1-D arrays for scalar columns, 2-D (rows x width) arrays for list columns."""
         if not self._buffered:
