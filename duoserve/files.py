@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -39,12 +38,6 @@ def check_output(path: str | Path, folder: bool = False) -> Path:
     return path
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path to write; on success it is renamed onto ``path``, on failure removed."""
@@ -64,9 +57,10 @@ def atomic_dir(path: str | Path, replace: bool = False) -> Iterator[Path]:
     """Yield a new temporary folder beside ``path``; on success it becomes ``path`` (an existing folder there is
     replaced only with ``replace``), on failure it is removed."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", dir=path.parent))
-    tmp.chmod(0o777 & ~_umask())  # mkdtemp's folder is private (0700); the result is an ordinary folder
+    tmp = temp_name(path)
+    if tmp.exists():  # left by a writer that was killed
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
     try:
         yield tmp
         if replace and path.exists():

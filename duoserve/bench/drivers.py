@@ -89,6 +89,18 @@ class ReplayRouting:
         return self._ids[layer]
 
 
+def oracle_recall(spec: str) -> float:
+    """The recall of an 'oracle' or 'oracle:RECALL' predictor spec; refuses anything else."""
+    name, _, recall = spec.partition(":")
+    try:
+        value = float(recall or 1.0)
+    except ValueError:
+        value = -1.0
+    if name != "oracle" or not 0.0 <= value <= 1.0:
+        raise ValueError(f"predictor {spec!r}: write oracle or oracle:RECALL with a recall between 0 and 1")
+    return value
+
+
 class OraclePredictor:
     """Knows the routing source's choice for ``target`` and keeps each true expert with probability ``recall``,
     replacing the others by random experts the token does not route to. A ``HostPredictor``: the engine queues

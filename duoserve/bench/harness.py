@@ -17,7 +17,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 import duoserve
-from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
+from duoserve.bench.drivers import (
+    OraclePredictor,
+    RandomRouting,
+    ReplayRouting,
+    oracle_recall,
+)
 from duoserve.bench.targets import GB, add_bounds, check_targets
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model, model_from_config, resolve_device
@@ -122,13 +127,7 @@ def _load_predictors(specs: list[str], routing: str) -> dict[str, ExpertPredicto
     """The trained artifacts among ``specs``, read once (on the CPU); refuses a spec that cannot run, before a
     large model is built."""
     for spec in (s for s in specs if s.startswith("oracle")):
-        recall = spec.partition(":")[2] or "1"
-        try:
-            valid = 0.0 <= float(recall) <= 1.0
-        except ValueError:
-            valid = False
-        if spec.partition(":")[0] != "oracle" or not valid:
-            raise ValueError(f"predictor {spec!r}: write oracle or oracle:RECALL with a recall between 0 and 1")
+        oracle_recall(spec)
     if routing == "router" and any(spec.startswith("oracle") for spec in specs):
         raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
     return {spec: load_predictor(spec) for spec in specs if spec != "none" and not spec.startswith("oracle")}
@@ -138,7 +137,7 @@ def _predictor(spec: str, routing, E: int, device: torch.device, loaded: dict[st
     if spec == "none":
         return None
     if spec.startswith("oracle"):
-        return OraclePredictor(routing, E, float(spec.partition(":")[2] or 1.0))
+        return OraclePredictor(routing, E, oracle_recall(spec))
     return loaded[spec] if spec in loaded else load_predictor(spec, device)
 
 

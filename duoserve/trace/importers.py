@@ -34,7 +34,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet  # noqa: F401  (pa.parquet: part file row counts)
+import pyarrow.parquet as pq
 
 import duoserve
 from duoserve.files import atomic_path, write_json
@@ -104,7 +104,6 @@ def _line(fmt: str, row: int) -> str:
 def _long_batches(path: Path, s: ImportSettings) -> Iterator[pa.RecordBatch]:
     import pyarrow.csv as pcsv
     import pyarrow.json as pjson
-    import pyarrow.parquet as pq
 
     suffix = path.suffix.lstrip(".")
     if suffix not in ("jsonl", "json", "csv", "parquet"):
@@ -376,8 +375,6 @@ def _resume_state(out: Path, identity: dict) -> dict | None:
 
 def _written_keys(out: Path, first_part: int) -> pd.MultiIndex:
     """(dataset, request_id, position) of the tokens in part files numbered ``first_part`` or later."""
-    import pyarrow.parquet as pq
-
     files = [f for f in part_files(out) if int(f.stem.rsplit("-", 1)[1]) >= first_part]
     if not files:
         return pd.MultiIndex.from_arrays([[], [], []])
@@ -485,7 +482,7 @@ def import_trace(s: ImportSettings, progress: Callable[[int], None] | None = Non
             writer.flush()
             state["done"].append(f.name)
             state["dropped"] += dropped
-        total = sum(pa.parquet.ParquetFile(f).metadata.num_rows for f in part_files(s.out))
+        total = sum(pq.ParquetFile(f).metadata.num_rows for f in part_files(s.out))
         if total == 0:
             raise ImportFormatError(f"{s.source}: no complete token (every token misses some layer)")
     except Exception:

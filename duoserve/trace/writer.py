@@ -26,10 +26,9 @@ def prepare_out_dir(out: Path, run: dict, rank: int = 0, wait_s: float = 600.0) 
     """Create ``out`` for a run, or check that it holds a trace of the same run (to resume).
 
     Under torchrun only rank 0 creates the folder; the other ranks wait (up to ``wait_s``) for its run file and
-    check it. Raises if ``out`` is a file, a non-trace folder with files in it, or a trace of other arguments.
+    check it. Raises if ``out`` is a non-trace folder with files in it or a trace of other arguments (callers check
+    with ``duoserve.files.check_output`` first that it can be a folder at all).
     """
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"--out {out} is a file, not a folder")
     run_file = out / RUN_FILE
     deadline = time.monotonic() + wait_s
     while rank and not run_file.exists():
@@ -99,7 +98,8 @@ class TraceWriter:
         batch = pa.RecordBatch.from_arrays(arrays, schema=self.schema)
         self._buffer.append(batch)
         self._buffered += batch.num_rows
-        self._requests += len(set(zip(columns["dataset"].tolist(), columns["request_id"].tolist())))
+        if self.requests_per_part is not None:  # callers add whole requests: count them, not tokens
+            self._requests += len(set(zip(columns["dataset"].tolist(), columns["request_id"].tolist())))
         if (self._buffered >= self.rows_per_part
                 or (self.requests_per_part is not None and self._requests >= self.requests_per_part)
                 or (self.seconds_per_part is not None and time.monotonic() - self._since >= self.seconds_per_part)):
