@@ -25,6 +25,8 @@ CASES = [
     ("eval", "accuracy {trace} --predictor {predictor} --out {file}/r", "is a file"),
     pytest.param("trace", "collect --count 1 --device cuda --out {tmp}/t", "no CUDA device", marks=NO_CUDA),
     pytest.param("train", "fit {trace} --out {tmp}/p --accelerator gpu", "accelerator='gpu'", marks=NO_CUDA),
+    pytest.param("train", "stats {trace} --out {tmp}/s.safetensors --device cuda", "no CUDA device", marks=NO_CUDA),
+    ("train", "stats {trace} --out {tmp}/s.safetensors --device tpu", "unknown device 'tpu'"),
     ("train", "fit {trace} --out {tmp}/p --devices 0", "devices=0"),
     ("run", "generate --new-tokens 0", "--new-tokens"),
     ("run", "generate --new-tokens -1", "--new-tokens"),

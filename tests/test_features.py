@@ -8,6 +8,7 @@ import torch
 from typer.testing import CliRunner
 
 from duoserve.cli.train import app as train_app
+from duoserve.features.counting import BACKENDS, RoutingCounter, cpu_backend
 from duoserve.features.examples import load_routing, make_examples, split_requests
 from duoserve.features.stats import RoutingStats, compute_stats, stats_from_ids
 from duoserve.metrics import topk_metrics
@@ -22,19 +23,83 @@ def _random_ids(n: int, seed: int) -> np.ndarray:
     return np.stack([np.stack([rng.choice(E, K, replace=False) for _ in range(L)]) for _ in range(n)])  # n x L x k
 
 
+def _brute_force(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
+    _, layers, _ = ids.shape
+    pop, aff = np.zeros((layers, num_experts), int), np.zeros((layers - 1, num_experts, num_experts), int)
+    for token in ids:
+        for l in range(layers):
+            for i in token[l]:
+                pop[l, i] += 1
+                if l + 1 < layers:
+                    for j in token[l + 1]:
+                        aff[l, i, j] += 1
+    return pop, aff
+
+
+CPU_BACKENDS = [b for b in BACKENDS if b != "auto"]
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_every_counting_backend_equals_brute_force(backend):
+    if backend == "numba":
+        pytest.importorskip("numba", reason="the compiled backend needs numba")
+    rng = np.random.default_rng(3)
+    ids = np.stack([np.stack([rng.choice(40, 5, replace=False) for _ in range(6)]) for _ in range(3000)])  # 3000 x 6 x 5
+    ids[:2700, 2:4] = 7  # one id repeated at layers 2 and 3: bin (7, 7) of pair 2 gains 25 a token, past uint16's range
+    counter = RoutingCounter(6, 40, 5, backend=backend)
+    counter.add(ids[:2800].astype(np.int16))  # 2700 of those tokens in one call: one bin gains 67,500
+    counter.add(ids[2800:].astype(np.int16))
+    pop, aff = counter.counts()
+    ref_pop, ref_aff = _brute_force(ids, 40)
+    np.testing.assert_array_equal(aff, ref_aff)
+    np.testing.assert_array_equal(pop, ref_pop)
+    assert counter.tokens == 3000 and aff[2, 7, 7] >= 2700 * 25 > 65_535
+    single = RoutingCounter(1, 40, 5, backend=backend)  # one MoE layer: no pairs, popularity still counted
+    single.add(ids[:, :1])
+    np.testing.assert_array_equal(single.counts()[0], ref_pop[:1])
+    with pytest.raises(ValueError, match="expected N x 6 x 5"):
+        counter.add(ids[:, :5])
+
+
+def test_counting_backend_choice():
+    assert cpu_backend("numpy") == "numpy"
+    assert cpu_backend("auto") in CPU_BACKENDS
+    with pytest.raises(ValueError, match="unknown counting backend"):
+        cpu_backend("fortran")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="counting on the GPU needs a CUDA device")
+def test_cuda_counts_equal_cpu_counts_bit_for_bit(tmp_path):
+    ids = _random_ids(3000, 4)
+    trace = write_trace(tmp_path / "t", ids, np.arange(3000) // 30, parts=2)
+    cpu = compute_stats(trace, batch_rows=700)
+    gpu = compute_stats(trace, batch_rows=700, device="cuda")
+    np.testing.assert_array_equal(gpu.affinity_counts, cpu.affinity_counts)
+    np.testing.assert_array_equal(gpu.popularity_counts, cpu.popularity_counts)
+    np.testing.assert_array_equal(cpu.affinity_counts, _brute_force(ids, E)[1])
+    assert gpu.tokens == cpu.tokens == 3000 and gpu.affinity_counts.dtype == np.int64
+
+
+def test_stats_of_two_folders_equal_the_stats_of_their_union(tmp_path):
+    first, second = _random_ids(200, 5), _random_ids(120, 6)
+    write_trace(tmp_path / "a", first, np.arange(200) // 10)
+    write_trace(tmp_path / "b", second, np.arange(120) // 10)
+    out = tmp_path / "s.safetensors"
+    result = CliRunner().invoke(train_app, ["stats", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    merged, union = RoutingStats.load(out), stats_from_ids(np.concatenate([first, second]), E)
+    np.testing.assert_array_equal(merged.affinity_counts, union.affinity_counts)
+    np.testing.assert_array_equal(merged.popularity_counts, union.popularity_counts)
+    assert merged.tokens == 320
+
+
 def test_stats_equal_brute_force_and_merge(tmp_path):
     ids = _random_ids(300, 0)
     phases = ["prefill"] * 100 + ["decode"] * 200
     trace = write_trace(tmp_path / "t", ids, np.arange(300) // 10, phases=phases)
     stats = compute_stats(trace, batch_rows=7)  # several batches
-    pop, aff = np.zeros((L, E), int), np.zeros((L - 1, E, E), int)
-    for token in ids:
-        for l in range(L):
-            for i in token[l]:
-                pop[l, i] += 1
-                if l + 1 < L:
-                    for j in token[l + 1]:
-                        aff[l, i, j] += 1
+    pop, aff = _brute_force(ids, E)
     np.testing.assert_array_equal(stats.popularity_counts, pop)
     np.testing.assert_array_equal(stats.affinity_counts, aff)
     assert stats.tokens == 300
@@ -132,3 +197,16 @@ def test_topk_metrics_by_hand():
     assert m["exact_topk"] == pytest.approx(1 / 3)
     assert m["at_least_half"] == pytest.approx(2 / 3)
     assert m["recall"] == pytest.approx((4 + 2 + 1) / 12)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_counting_refuses_ids_outside_the_expert_range(backend):
+    if backend == "numba":
+        pytest.importorskip("numba", reason="the compiled backend needs numba")
+    counter = RoutingCounter(2, 4, 1, backend=backend)
+    for bad, dtype in ((-1, np.int16), (4, np.int16), (-3, np.int64), (70_000, np.int64)):
+        ids = np.zeros((3, 2, 1), dtype)
+        ids[1, 1, 0] = bad
+        with pytest.raises(ValueError, match=f"expert id {bad} is outside 0..3"):
+            counter.add(ids)
+    assert counter.tokens == 0

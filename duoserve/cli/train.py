@@ -30,7 +30,11 @@ def stats(
     out: Annotated[Path, typer.Option(help="Output .safetensors file (counts + JSON metadata).")]
     = Path("stats.safetensors"),
     phase: PhaseOption = "all",
-    workers: Annotated[int, typer.Option(min=1, help="Processes counting a folder's part files in parallel.")] = 1,
+    workers: Annotated[int, typer.Option(min=1, help="Processes counting a folder's part files in parallel "
+                                                     "(CPU counting only).")] = 1,
+    device: Annotated[str, typer.Option(help="Where to count: cpu (a compiled loop per layer pair), cuda or cuda:N "
+                                             "(the read overlaps the GPU's count; the same counts bit for bit).")]
+    = "cpu",
 ) -> None:
     """Per-layer popularity (L x E) and consecutive-layer affinity ((L-1) x E x E) with counts."""
     from duoserve.features.stats import merged_stats
@@ -38,7 +42,7 @@ def stats(
     with user_errors():
         check_output(out)
         with progress("counting", total=len(traces)) as update:
-            merged = merged_stats(traces, phase_filter(phase), workers, lambda: update(advance=1))
+            merged = merged_stats(traces, phase_filter(phase), workers, lambda: update(advance=1), device)
         merged.save(out)
     L, E = merged.geometry
     summary = table(f"statistics -> {out}", "tokens", "layers", "experts", "top expert per layer (share)")

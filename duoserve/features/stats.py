@@ -2,14 +2,15 @@
 
 Shape legend: N tokens, L MoE layers, E experts, k top-k.
 
-Counts are kept (not only frequencies) so statistics of several trace folders merge exactly.
+Counts are kept (not only frequencies) so statistics of several trace folders merge exactly; they
+are counted by ``duoserve.features.counting`` (compiled CPU loop, or a CUDA device).
 Saved as safetensors (arrays) with JSON metadata, loadable without the training code.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from multiprocessing import get_context
@@ -18,9 +19,10 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from duoserve.features.counting import RoutingCounter
 from duoserve.files import atomic_path
+from duoserve.loading import resolve_device
 from duoserve.trace.format import Trace, open_trace
-from duoserve.trace.info import expert_counts
 
 STATS_VERSION = 1
 
@@ -73,42 +75,31 @@ class RoutingStats:
         return cls(arrays["popularity_counts"], arrays["affinity_counts"], info["tokens"], info["meta"])
 
 
-def count_routing(ids: np.ndarray, num_experts: int) -> tuple[np.ndarray, np.ndarray]:
-    """Popularity (L x E) and affinity ((L-1) x E x E) counts of one N x L x k batch."""
-    _, L, _ = ids.shape
-    E = num_experts
-    by_layer = np.ascontiguousarray(ids.transpose(1, 0, 2), dtype=np.int32)  # L x N x k, one block per layer
-    affinity = np.empty((L - 1, E, E), dtype=np.int64)
-    for l in range(L - 1):  # per layer pair, so the E*E bins stay in cache
-        pairs = by_layer[l][:, :, None] * E + by_layer[l + 1][:, None, :]  # N x k x k: flat (i, j)
-        affinity[l] = np.bincount(pairs.ravel(), minlength=E * E).reshape(E, E)
-    return expert_counts(ids, E), affinity
-
-
-def accumulate(batches, num_layers: int, num_experts: int, meta: dict | None = None) -> RoutingStats:
-    """Statistics of a stream of N x L x k id batches."""
-    L, E = num_layers, num_experts
-    popularity = np.zeros((L, E), dtype=np.int64)
-    affinity = np.zeros((L - 1, E, E), dtype=np.int64)
-    tokens = 0
+def accumulate(batches: Iterable[np.ndarray], num_layers: int, num_experts: int, top_k: int,
+               meta: dict | None = None, device: str = "cpu", backend: str = "auto") -> RoutingStats:
+    """Statistics of a stream of N x L x k id batches, counted on ``device`` (cpu, cuda, cuda:N); ``backend``
+    picks the CPU loop (``duoserve.features.counting.BACKENDS``)."""
+    counter = RoutingCounter(num_layers, num_experts, top_k, resolve_device(device), backend)
     for ids in batches:
-        p, a = count_routing(ids, E)
-        popularity += p
-        affinity += a
-        tokens += len(ids)
-    return RoutingStats(popularity, affinity, tokens, meta or {})
+        counter.add(ids)
+    popularity, affinity = counter.counts()
+    return RoutingStats(popularity, affinity, counter.tokens, meta or {})
 
 
 def compute_stats(trace: Trace, phase: str | None = None, datasets: list[str] | None = None,
-                  batch_rows: int = 65_536, workers: int = 1) -> RoutingStats:
+                  batch_rows: int = 65_536, workers: int = 1, device: str = "cpu") -> RoutingStats:
     """Stream ``trace`` once and count popularity and affinity (optionally one phase / some datasets).
-    ``workers`` > 1 counts the part files in that many processes and sums their counts (exact)."""
+    ``workers`` > 1 counts the part files in that many processes and sums their counts (exact); ``device``
+    'cuda' counts on the GPU instead (one process: the read overlaps the device's count)."""
     meta = {"trace": str(trace.path), "model": trace.meta.model, "phase": phase, "datasets": datasets}
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if workers > 1 and resolve_device(device).type != "cpu":
+        raise ValueError(f"--workers {workers} counts in CPU processes; with --device {device} leave it at 1")
+    g = trace.meta
     if workers == 1 or len(trace.files) == 1:
-        return accumulate(trace.iter_experts(phase, datasets, batch_rows), trace.meta.num_layers,
-                          trace.meta.num_experts, meta)
+        return accumulate(trace.iter_experts(phase, datasets, batch_rows), g.num_layers, g.num_experts, g.top_k,
+                          meta, device)
     jobs = [(str(f), phase, datasets, batch_rows) for f in trace.files]
     # spawn: a forked child could inherit a lock held by one of Arrow's threads
     with ProcessPoolExecutor(min(workers, len(jobs)), mp_context=get_context("spawn")) as pool:
@@ -128,16 +119,17 @@ def _count_part(job: tuple[str, str | None, list[str] | None, int]) -> RoutingSt
 def stats_from_ids(ids: np.ndarray, num_experts: int, batch_rows: int = 65_536, meta: dict | None = None) -> RoutingStats:
     """Statistics of an in-memory N x L x k id table."""
     batches = (ids[i:i + batch_rows] for i in range(0, len(ids), batch_rows))
-    return accumulate(batches, ids.shape[1], num_experts, meta)
+    return accumulate(batches, ids.shape[1], num_experts, ids.shape[2], meta)
 
 
 def merged_stats(paths: Sequence[str | Path], phase: str | None = None, workers: int = 1,
-                 on_folder: Callable[[], None] | None = None) -> RoutingStats:
+                 on_folder: Callable[[], None] | None = None, device: str = "cpu") -> RoutingStats:
     """The statistics of several trace folders (same geometry), their counts merged; ``on_folder`` after each."""
+    resolve_device(device)
     opened = [open_trace(p) for p in paths]  # every folder checked before any is counted
     merged = None
     for trace in opened:
-        one = compute_stats(trace, phase, workers=workers)
+        one = compute_stats(trace, phase, workers=workers, device=device)
         merged = one if merged is None else merged.merge(one)
         if on_folder:
             on_folder()
