@@ -105,10 +105,13 @@ class Trace:
 
     def iter_experts(self, phase: str | None = None, datasets: list[str] | None = None,
                      batch_rows: int = 65_536):
-        """Yield the ``experts`` column batch by batch as N x L x k int16 arrays (constant memory)."""
+        """Yield the ``experts`` column batch by batch as N x L x k int16 arrays (memory bounded by the readahead:
+        a part file per Arrow thread, two batches each)."""
         L, k = self.meta.num_layers, self.meta.top_k
+        # one part file per thread: Arrow's default of four files at a time leaves most cores idle
         for batch in self.dataset.to_batches(columns=["experts"], filter=row_filter(phase, datasets),
-                                             batch_size=batch_rows):
+                                             batch_size=batch_rows, batch_readahead=2,
+                                             fragment_readahead=max(pa.cpu_count(), 1)):
             if batch.num_rows:
                 yield batch.column("experts").flatten().to_numpy().reshape(-1, L, k)  # N x L x k
 
