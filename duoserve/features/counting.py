@@ -168,13 +168,12 @@ class _CudaPairs:
     def upload(self, ids: np.ndarray) -> torch.Tensor:
         """``ids`` on the device, through the next pinned buffer (copied asynchronously)."""
         i, self.turn = self.turn, 1 - self.turn
-        host = torch.from_numpy(ids.view(np.int16) if ids.dtype == np.uint16 else ids)  # N x L x k
         self.copied[i].synchronize()  # this buffer's previous copy has left it
         buf = self.staging[i]
-        if buf is None or buf.numel() < host.numel():
-            buf = self.staging[i] = torch.empty(host.numel(), dtype=host.dtype, pin_memory=True)
-        staged = buf[:host.numel()].view(host.shape)
-        staged.copy_(host)
+        if buf is None or buf.numel() < ids.size:
+            buf = self.staging[i] = torch.empty(ids.size, dtype=torch.int16, pin_memory=True)
+        staged = buf[:ids.size].view(ids.shape)  # N x L x k
+        np.copyto(staged.numpy(), ids.view(np.int16))  # Arrow's buffers are read-only: copied, never wrapped
         on_device = staged.to(self.device, non_blocking=True)
         self.copied[i].record()
         return on_device
