@@ -48,7 +48,7 @@ test: setup-dev
 bench: setup-dev
 	$(PY) benchmarks/trace_overhead.py --out benchmarks/results/trace_overhead_cpu.json
 	$(PY) benchmarks/predictor_latency.py --iters 300 --out benchmarks/results/predictor_latency_cpu.json
-	$(PY) benchmarks/stats_throughput.py --rows 400000 --out benchmarks/results/stats_throughput_cpu.json
+	$(PY) benchmarks/stats_throughput.py --rows 400000 --rounds 3 --out benchmarks/results/stats_throughput_cpu.json
 	$(PY) benchmarks/eval_throughput.py --out benchmarks/results/eval_throughput_cpu.json
 	$(PY) benchmarks/import_throughput.py --out benchmarks/results/import_throughput_cpu.json
 	$(PY) benchmarks/runtime_host_cpu.py --rounds 3 --new-tokens 32 --out benchmarks/results/runtime_host_cpu_cpu.json
