@@ -85,39 +85,59 @@ def moe_geometry(model: nn.Module, layers: list[MoELayer]) -> MoEGeometry:
     return MoEGeometry(len(layers), experts.pop(), int(top_k), tuple(layer.decoder_index for layer in layers))
 
 
-def _router_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k ids chosen by ``router`` for ``hidden`` (T x H), through its own forward, bypassing its hooks."""
+def _router_logits_and_top_k(router: nn.Module, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``router``'s logits (T x E) and top-k ids for ``hidden`` (T x H), through its own forward, bypassing its
+    hooks: transformers' routers return (logits, weights, indices)."""
     out = router.forward(hidden)
-    if isinstance(out, tuple) and out[-1].dtype in (torch.int64, torch.int32) and out[-1].shape[-1] == k:
-        return out[-1]  # transformers' routers return (logits, weights, indices)
     logits = out[0] if isinstance(out, tuple) else out
-    return logits.topk(k, dim=-1).indices
+    if isinstance(out, tuple) and out[-1].dtype in (torch.int64, torch.int32) and out[-1].shape[-1] == k:
+        return logits, out[-1]
+    return logits, logits.topk(k, dim=-1).indices
 
 
-def _logit_top_k(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor, k: int) -> torch.Tensor:
-    """Top-k of a router's linear logits: two kernels instead of the router's whole forward."""
-    return nn.functional.linear(hidden.to(weight.dtype), weight, bias).topk(k, dim=-1).indices
+def _linear_logits(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torch.Tensor) -> torch.Tensor:
+    return nn.functional.linear(hidden.to(weight.dtype), weight, bias)
+
+
+def _widen(logits: torch.Tensor, top: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """T x m ids (the router's top-k ``top`` first, then the best of the rest by logit) and their softmax
+    probabilities over all E experts (float32)."""
+    probs = logits.float().softmax(-1)  # T x E
+    k = top.shape[-1]
+    if width > k:
+        rest = probs.scatter(-1, top.long(), -1.0).topk(width - k, dim=-1).indices  # T x (m - k): not yet chosen
+        top = torch.cat([top.long(), rest], dim=-1)
+    return top, probs.gather(-1, top.long())
 
 
 @torch.no_grad()
-def next_gate_fn(router: nn.Module, k: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """The cheapest exact way to get ``router``'s top-k ids for T x H hidden states.
+def next_gate_fn(router: nn.Module, k: int, width: int | None = None
+                 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The cheapest exact way to get ``router``'s guess for T x H hidden states: T x m ids (``width`` m, default
+    k; its own top-k first) and their softmax probabilities (T x m).
 
     Most routers pick the top-k of a monotonic function (softmax, sigmoid) of their linear logits;
     then the logits' top-k is the same set at a fraction of the launches, which is what keeps
     tracing overhead low in launch-bound decode. Routers that do more (group-limited routing,
-    score-correction biases) fail the probe on random hidden states and keep their own forward.
+    score-correction biases) fail the probe on random hidden states and keep their own forward;
+    their probabilities are still the softmax of their logits.
     """
+    m = width or k
     weight = getattr(router, "weight", None)
     bias = router.bias if isinstance(getattr(router, "bias", None), torch.Tensor) else None
     if isinstance(weight, torch.Tensor) and weight.dim() == 2:
         probe = torch.randn(256, weight.shape[1], generator=torch.Generator().manual_seed(0))
         probe = probe.to(weight.device, weight.dtype)
         try:
-            same = torch.equal(_router_top_k(router, probe, k).sort(-1).values,
-                               _logit_top_k(weight, bias, probe, k).sort(-1).values)
+            same = torch.equal(_router_logits_and_top_k(router, probe, k)[1].sort(-1).values,
+                               _linear_logits(weight, bias, probe).topk(k, dim=-1).indices.sort(-1).values)
         except (RuntimeError, ValueError):
             same = False
         if same:
-            return lambda hidden: _logit_top_k(weight, bias, hidden, k)
-    return lambda hidden: _router_top_k(router, hidden, k)
+            def linear_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                logits = _linear_logits(weight, bias, hidden)  # T x E
+                ids = logits.topk(m, dim=-1).indices  # T x m, best first: the router's top-k lead
+                return ids, logits.float().softmax(-1).gather(-1, ids)
+
+            return linear_guess
+    return lambda hidden: _widen(*_router_logits_and_top_k(router, hidden, k), m)

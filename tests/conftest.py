@@ -80,14 +80,14 @@ def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahe
     returns the opened trace."""
     import numpy as np
 
-    from duoserve.trace.format import TraceMeta
+    from duoserve.trace.format import TraceMeta, nextgate_column, nextgate_scores_column
     from duoserve.trace.writer import TraceWriter
 
     ids = np.asarray(ids, dtype=np.int16)
     N, L, k = ids.shape
     meta = TraceMeta(model="hand-built", num_layers=L, num_experts=num_experts, top_k=k,
                      decoder_indices=list(range(L)), datasets=[{"name": "squad", "source": "test"}],
-                     lookahead=lookahead)
+                     lookahead=lookahead, nextgate_width=k if lookahead else 0)
     out.mkdir(parents=True)
     writer = TraceWriter(out, meta)
     cols = {
@@ -97,8 +97,9 @@ def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahe
         "position": np.arange(N, dtype=np.int32), "token_id": np.arange(N, dtype=np.int32),
         "experts": ids.reshape(N, -1), "scores": np.full((N, L * k), 0.5, dtype=np.float16),
     }
-    for d in range(1, lookahead + 1):
-        cols["nextgate" if d == 1 else f"nextgate_d{d}"] = ids[:, d:].reshape(N, -1)
+    for d in range(1, lookahead + 1):  # a perfect guess, scored in router order
+        cols[nextgate_column(d)] = ids[:, d:].reshape(N, -1)
+        cols[nextgate_scores_column(d)] = np.tile(np.linspace(0.5, 0.1, k, dtype=np.float16), (N, L - d))
     for rows in np.array_split(np.arange(N), parts):
         writer.add({name: col[rows] for name, col in cols.items()})
         writer.flush()

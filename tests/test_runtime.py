@@ -126,19 +126,14 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
     assert some["prefetch_precision"] is not None and none["prefetch_precision"] is None
 
 
-def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedded):
-    # a predictor whose logits are the multi-hot of its next-gate input: what the engine feeds it is checked against
-    # layer t's own router applied to layer t-1's MoE input, recorded independently by a pre-hook
+def _next_gate_run(embedded, predictor) -> dict:
+    """Generate under duoserve with ``predictor``, checking that every call gets layer t's own router on layer t-1's
+    MoE input (recorded independently by a pre-hook): its ids, the router's top-k first, and their probabilities.
+    Returns the engine's counters."""
     model, tokenizer = embedded
     reference = _generate(model, tokenizer)[0]
     layers = find_moe_layers(model)
-    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
-    spec = FeatureSpec(L, E, k, window=1, popularity=False, affinity=False, nextgate=True)
-    predictor = ExpertPredictor(spec, widths=()).eval()
-    with torch.no_grad():
-        predictor.mlp[-1].weight.zero_()
-        predictor.mlp[-1].bias.zero_()
-        predictor.mlp[-1].weight[:, -E:] = torch.eye(E)  # the next-gate block is the last E features
+    L, k = len(layers), model.config.num_experts_per_tok
     inputs, seen = {}, []
     hooks = [layer.experts.register_forward_pre_hook(
         lambda m, args, kwargs, l=l: inputs.__setitem__(l, args[0] if args else kwargs["hidden_states"]),
@@ -149,10 +144,13 @@ def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedde
         with OffloadEngine(model, stores, policy, predictor=predictor) as engine:
             scores = engine.prefetch.predictor.scores
 
-            def spy(history, target, nextgate=None):
-                routed = layers[target].router(inputs[target - 1])[-1]  # T x k: the router's own choice
-                seen.append(torch.equal(nextgate.sort(1).values, routed.sort(1).values))
-                return scores(history, target, nextgate)
+            def spy(history, target, nextgate=None, nextgate_scores=None):
+                logits, _, routed = layers[target].router(inputs[target - 1])  # T x k: the router's own choice
+                probs = logits.float().softmax(-1).gather(1, nextgate)
+                seen.append(nextgate.shape[1] == predictor.spec.width
+                            and torch.equal(nextgate[:, :k].sort(1).values, routed.sort(1).values)
+                            and torch.allclose(nextgate_scores, probs))
+                return scores(history, target, nextgate, nextgate_scores)
 
             engine.prefetch.predictor.scores = spy
             tokens = _generate(model, tokenizer)[0]
@@ -164,6 +162,26 @@ def test_next_gate_predictor_is_fed_the_next_router_on_this_layers_input(embedde
     assert torch.equal(tokens, reference)
     assert len(seen) == 11 * (L - 1) and all(seen)  # every decode step (12 new tokens: 11 steps), layers 1..L-1
     assert stats["prefetched"] > 0 and stats["hit_rate"]["decode"] > 0
+    return stats
+
+
+def test_next_gate_predictors_are_fed_the_next_router_on_this_layers_input(embedded):
+    model, _ = embedded
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    # a paper-family predictor whose logits are the multi-hot of its next-gate input
+    spec = FeatureSpec(L, E, k, window=1, popularity=False, affinity=False, nextgate=True)
+    paper = ExpertPredictor(spec, widths=()).eval()
+    with torch.no_grad():
+        paper.mlp[-1].weight.zero_()
+        paper.mlp[-1].bias.zero_()
+        paper.mlp[-1].weight[:, -E:] = torch.eye(E)  # the next-gate block is the last E features
+    # an untrained residual predictor (zero correction): next-gate by construction, fed 2k ids and their scores
+    residual = ExpertPredictor(FeatureSpec(L, E, k, window=1, family="residual", nextgate_width=2 * k),
+                               widths=(16,)).eval()
+    counters = ("bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision")
+    assert ({c: _next_gate_run(embedded, paper)[c] for c in counters}
+            == {c: _next_gate_run(embedded, residual)[c] for c in counters})  # the same guesses, the same copies
 
 
 def _oracle_decode(embedded, recall: float, new_tokens: int, on_engine=None,

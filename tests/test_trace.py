@@ -12,7 +12,7 @@ from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model
 from duoserve.trace import RoutingRecorder, open_trace
 from duoserve.trace.collect import CollectSettings, collect, rows_from_records
-from duoserve.trace.format import nextgate_column
+from duoserve.trace.format import nextgate_column, nextgate_scores_column
 from duoserve.trace.hooks import ForwardRecord
 from tests.conftest import ARCHS
 
@@ -88,9 +88,19 @@ def test_trace_matches_router_token_for_token(arch, arch_models, tokenizer, tmp_
                 np.testing.assert_allclose(scores[:, l], weights.float().numpy(), atol=2e-3)
                 for d in (1, 2):
                     if l + d < L:
-                        guess = layers[l + d].router(hidden.reshape(-1, hidden.shape[-1]))[-1]
-                        ng = np.stack(rows[nextgate_column(d)].to_numpy()).reshape(-1, L - d, k)
-                        np.testing.assert_array_equal(ng[:, l], guess.numpy())
+                        router_logits, _, guess = layers[l + d].router(hidden.reshape(-1, hidden.shape[-1]))
+                        m = trace.meta.nextgate_width
+                        ng = np.stack(rows[nextgate_column(d)].to_numpy()).reshape(-1, L - d, m)
+                        ng_scores = np.stack(rows[nextgate_scores_column(d)].to_numpy()).reshape(-1, L - d, m)
+                        np.testing.assert_array_equal(ng[:, l, :k], guess.numpy())  # the router's own pick first
+                        probs = router_logits.detach().float().softmax(-1)
+                        assert all(len(set(row)) == m for row in ng[:, l].tolist())  # m distinct experts a token
+                        np.testing.assert_allclose(ng_scores[:, l].astype(np.float32),
+                                                   probs.gather(1, torch.from_numpy(ng[:, l]).long()).numpy(),
+                                                   atol=1e-3)
+                        if arch != "deepseek_v3":  # the rest: the next best by probability
+                            top_m = probs.topk(m, dim=-1).indices.sort(-1).values.numpy()
+                            np.testing.assert_array_equal(np.sort(ng[:, l], axis=1), top_m)
     assert len(prompt_lengths) == 6
     assert len(set(prompt_lengths)) > 3, "batches of mixed prompt lengths, so that padding was present"
 
@@ -108,7 +118,7 @@ def test_decode_rows_stop_at_eos():
 
     def rec(T, base):
         ids = (torch.arange(T * L * k).reshape(T, L, k) + base).to(torch.int16)
-        return ForwardRecord(ids, ids.float(), {1: ids[:, :1].clone()})
+        return ForwardRecord(ids, ids.float(), {1: ids[:, :1].clone()}, {1: ids[:, :1].half()})
 
     records = [rec(B * S, 0)] + [rec(B, 100 * (c + 1)) for c in range(C)]
     input_ids = torch.tensor([[0, 5, 6], [4, 5, 6]])
@@ -122,7 +132,7 @@ def test_decode_rows_stop_at_eos():
     # row 0's first decode row is decode call 1 (records[1]) at batch index 0
     np.testing.assert_array_equal(rows["experts"][2], records[1].ids[0].reshape(-1).numpy())
     np.testing.assert_array_equal(rows["experts"][0], records[0].ids[1].reshape(-1).numpy())
-    assert rows["nextgate"].shape == (10, k)
+    assert rows["nextgate"].shape == rows["nextgate_scores"].shape == (10, k)
 
 
 def test_recorder_removes_hooks_and_leaves_model_untouched(arch_models):
@@ -139,7 +149,7 @@ def test_recorder_removes_hooks_and_leaves_model_untouched(arch_models):
     torch.testing.assert_close(before, during)
     torch.testing.assert_close(before, after)
     (record,) = rec.pop()
-    assert record.ids.shape == (5, 3, 2) and record.nextgate[1].shape == (5, 2, 2)
+    assert record.ids.shape == (5, 3, 2) and record.nextgate[1].shape == record.nextgate_scores[1].shape == (5, 2, 4)
 
 
 def test_resume_after_crash_equals_uninterrupted_run(arch_models, tmp_path):

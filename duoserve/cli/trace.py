@@ -49,6 +49,9 @@ def collect(
     batch_size: Annotated[int, typer.Option(min=1, help="Requests per generate call.")] = COLLECT.batch_size,
     lookahead: Annotated[int, typer.Option(help="Record next-gate guesses for layers l+1..l+D (0: none).")]
     = COLLECT.lookahead,
+    nextgate_width: Annotated[Optional[int], typer.Option(
+        min=1, help="Next-gate ids and scores kept per token and layer (the router's top-k first). [default: 2 x "
+                    "top-k]")] = COLLECT.nextgate_width,
     device: Annotated[str, typer.Option(help="auto, cpu, cuda, cuda:1, ...")] = COLLECT.device,
     dtype: DtypeOption = COLLECT.dtype,
     revision: Annotated[Optional[str], typer.Option(help="Model revision (hub models).")] = None,
@@ -70,7 +73,7 @@ def collect(
         settings = CollectSettings(
             model=model, datasets=specs, out=out, fraction=None if count is not None else fraction, count=count,
             seed=seed, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
-            lookahead=lookahead, device=device, dtype=dtype, revision=revision, rows_per_part=part_rows,
+            lookahead=lookahead, nextgate_width=nextgate_width, device=device, dtype=dtype, revision=revision, rows_per_part=part_rows,
             requests_per_part=part_requests, seconds_per_part=part_seconds)
         with progress("tracing") as update:
             result = run_collect(settings, lambda done, total: update(completed=done, total=total))

@@ -68,6 +68,10 @@ def fit_cmd(
     feature: Annotated[Optional[list[str]], typer.Option(
         help=f"Features beside the history: {', '.join(FEATURES)}. Repeatable. "
              f"[default: {', '.join(FIT.features)}]")] = None,
+    family: Annotated[str, typer.Option(
+        help="paper: the DuoServe-MoE MLP (history + statistics); hybrid: its features plus the next-gate's "
+             "scores; residual: the next-gate's log-probabilities plus a learned correction. hybrid and residual "
+             "need traces recorded with --lookahead >= 1.")] = FIT.family,
     epochs: Annotated[int, typer.Option(min=1, help="Maximum epochs (early stopping on validation exact-top-k).")]
     = FIT.epochs,
     patience: Annotated[int, typer.Option(help="Epochs without improvement before stopping.")] = FIT.patience,
@@ -92,7 +96,7 @@ def fit_cmd(
         settings = FitSettings(
             traces=traces, out=out, phase=phase_filter(phase), val_fraction=val_fraction, seed=seed, window=window,
             widths=int_list(widths, "--widths"),
-            features=tuple(feature) if feature else FIT.features, epochs=epochs, patience=patience,
+            features=tuple(feature) if feature else FIT.features, family=family, epochs=epochs, patience=patience,
             batch_size=batch_size, lr=lr, accelerator=accelerator,
             devices=int(devices) if devices.isdigit() else devices, strategy=strategy, num_nodes=num_nodes,
             clean=clean, verbose=verbose)
@@ -102,7 +106,7 @@ def fit_cmd(
     summary = table(f"validation ({result.val_examples} token-layer examples) -> {result.out}", "predictor",
                     "exact-top-k", "at-least-half", "recall")
     for name, m in result.metrics.items():
-        summary.add_row(name if name != "predictor" else "[bold]trained MLP[/]", f"{m['exact_topk']:.3f}",
+        summary.add_row(name if name != "predictor" else f"[bold]trained MLP ({settings.family})[/]", f"{m['exact_topk']:.3f}",
                         f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(summary)
     console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s"

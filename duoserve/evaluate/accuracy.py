@@ -116,8 +116,11 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         raise ValueError(f"the predictor was trained on every request in {[str(t) for t in traces]}: "
                          "evaluate it on other requests")
     ev_table = table.select(np.flatnonzero(unseen))
-    if predictor.spec.nextgate and ev_table.nextgate is None:
+    if predictor.spec.uses_nextgate and ev_table.nextgate is None:
         raise ValueError("the predictor uses next-gate features but the traces have no nextgate column")
+    if predictor.spec.uses_scores and ev_table.nextgate_scores is None:
+        raise ValueError(f"the {predictor.spec.family} predictor needs the next-gate's scores: traces of format "
+                         "version 2")
     ev = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers))
 
     train_paths = _train_traces(predictor.config, train_traces)

@@ -63,12 +63,13 @@ def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_
                 cross: bool = False, fractions: Sequence[float] | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
     """Run the cross-task study and/or the learning curve for ``report``'s predictor (fresh fits of its widths and
-    features in ``work``), store their rows in ``report.info`` and return their markdown sections."""
+    features and family in ``work``), store their rows in ``report.info`` and return their markdown sections."""
     if not (cross or fractions):
         return ""
     config = report.info["predictor_config"]
+    spec = config["feature_spec"]
     base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
-                       features=[f for f in FEATURES if config["feature_spec"][f]], progress=False)
+                       features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"), progress=False)
     extra = ""
     if cross:
         ct = cross_task(traces, work, base, progress)

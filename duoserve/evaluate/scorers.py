@@ -20,7 +20,7 @@ from duoserve.features.examples import (
     previous_experts,
 )
 from duoserve.metrics import multi_hot
-from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
+from duoserve.predictor.baselines import affinity_markov_scores, nextgate_rank_scores, popularity_scores
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 
@@ -59,7 +59,7 @@ class TrainedMLP(Scorer):
 
     def scores(self, ev, idx):
         b = ev.batch(idx)
-        return self.predictor.logits(b["history"], b["target"], b.get("nextgate"))
+        return self.predictor.logits(b["history"], b["target"], b.get("nextgate"), b.get("nextgate_scores"))
 
 
 class Popularity(Scorer):
@@ -87,7 +87,7 @@ class NextGate(Scorer):
     name, description = "next-gate", "layer t's router on the hidden state entering layer t-1 (from the trace)"
 
     def scores(self, ev, idx):
-        return multi_hot(ev.batch(idx)["nextgate"], ev.E)
+        return nextgate_rank_scores(ev.batch(idx)["nextgate"], ev.E)
 
 
 class Oracle(Scorer):
@@ -187,7 +187,8 @@ class LogisticBaseline(Scorer):
     def _features(self, ev: EvalSet, idx: np.ndarray):
         b = ev.batch(idx)
         with torch.no_grad():
-            return self.featurizer.features(b["history"], b["target"], b.get("nextgate")).numpy(), b
+            return self.featurizer.features(b["history"], b["target"], b.get("nextgate"),
+                                            b.get("nextgate_scores")).numpy(), b
 
     def scores(self, ev, idx):
         x, _ = self._features(ev, idx)

@@ -27,7 +27,8 @@ class RoutingTable:
 
     meta: TraceMeta
     ids: np.ndarray  # N x L x k int16
-    nextgate: np.ndarray | None  # N x (L-1) x k int16, if recorded
+    nextgate: np.ndarray | None  # N x (L-1) x m int16, if recorded: the router's top-k first
+    nextgate_scores: np.ndarray | None  # N x (L-1) x m float32 probabilities (version-2 traces)
     request: np.ndarray  # N: index into ``requests``
     requests: list[tuple[str, int]]  # (dataset, request_id)
     decode: np.ndarray  # N bool: decode-phase token
@@ -38,7 +39,10 @@ class RoutingTable:
 
     def select(self, tokens: np.ndarray) -> RoutingTable:
         """The table restricted to the given token rows (same request index)."""
-        return RoutingTable(self.meta, self.ids[tokens], None if self.nextgate is None else self.nextgate[tokens],
+        def rows(a: np.ndarray | None) -> np.ndarray | None:
+            return None if a is None else a[tokens]
+
+        return RoutingTable(self.meta, self.ids[tokens], rows(self.nextgate), rows(self.nextgate_scores),
                             self.request[tokens], self.requests, self.decode[tokens], self.position[tokens])
 
 
@@ -56,17 +60,26 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
         if not _same_geometry(meta, t.meta):
             raise ValueError(f"{t.path} has geometry L={t.meta.num_layers}, E={t.meta.num_experts}, "
                              f"k={t.meta.top_k}, unlike {traces[0].path}")
-    k = meta.top_k
     with_ng = all(t.meta.lookahead >= 1 for t in traces)
-    cols = ["dataset", "request_id", "phase", "position", "experts", *(["nextgate"] if with_ng else [])]
+    # one width for all: the narrowest folder's (a version-1 trace keeps k); scores only where every folder has them
+    m = min(t.meta.nextgate_width for t in traces) if with_ng else 0
+    with_scores = with_ng and all(t.meta.nextgate_scores for t in traces)
+    cols = ["dataset", "request_id", "phase", "position", "experts", *(["nextgate"] if with_ng else []),
+            *(["nextgate_scores"] if with_scores else [])]
     tables = [t.dataset.to_table(columns=cols, filter=row_filter(phase, list(datasets) if datasets else None))
               for t in traces]
     n = sum(t.num_rows for t in tables)
     if n == 0:
         raise ValueError(f"no trace rows match phase={phase or 'any'}, datasets={list(datasets or []) or 'any'}")
 
-    def fixed(name: str, width: int) -> np.ndarray:
-        return np.concatenate([t.column(name).combine_chunks().flatten().to_numpy() for t in tables]).reshape(n, -1, width)
+    def fixed(name: str, width: int, keep: int | None = None) -> np.ndarray:
+        """N x layers x ``keep`` of a fixed-size list column holding ``width`` values per layer in each folder."""
+        parts = [t.column(name).combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1, w)[..., :keep]
+                 for t, w in zip(tables, width)]
+        return np.concatenate(parts)
+
+    def widths(per_trace) -> list[int]:
+        return [per_trace(t.meta) for t in traces]
 
     keys = list(zip(np.concatenate([t.column("dataset").to_numpy(zero_copy_only=False) for t in tables]),
                     np.concatenate([t.column("request_id").to_numpy() for t in tables]).tolist()))
@@ -74,8 +87,10 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
     index = {key: i for i, key in enumerate(requests)}
     return RoutingTable(
         meta=meta,
-        ids=fixed("experts", k).astype(np.int16),
-        nextgate=fixed("nextgate", k).astype(np.int16) if with_ng else None,
+        ids=fixed("experts", widths(lambda g: g.top_k)).astype(np.int16),
+        nextgate=fixed("nextgate", widths(lambda g: g.nextgate_width), m).astype(np.int16) if with_ng else None,
+        nextgate_scores=fixed("nextgate_scores", widths(lambda g: g.nextgate_width), m).astype(np.float32)
+        if with_scores else None,
         request=np.array([index[key] for key in keys], dtype=np.int64),
         requests=[(str(d), int(r)) for d, r in requests],
         decode=np.concatenate([t.column("phase").to_numpy(zero_copy_only=False) for t in tables]) == "decode",
@@ -114,6 +129,7 @@ class ExampleSet(Dataset):
     def __init__(self, table: RoutingTable, examples: Examples):
         self.ids = torch.from_numpy(table.ids.astype(np.int64))  # N x L x k
         self.nextgate = None if table.nextgate is None else torch.from_numpy(table.nextgate.astype(np.int64))
+        self.nextgate_scores = None if table.nextgate_scores is None else torch.from_numpy(table.nextgate_scores)
         self.token = torch.from_numpy(examples.token)
         self.target = torch.from_numpy(examples.target)
 
@@ -123,8 +139,10 @@ class ExampleSet(Dataset):
     def __getitems__(self, index: list[int]) -> dict[str, torch.Tensor]:
         token, target = self.token[index], self.target[index]  # B, B
         batch = {"history": self.ids[token], "target": target, "truth": self.ids[token, target]}  # B x L x k, B x k
-        if self.nextgate is not None:
-            batch["nextgate"] = self.nextgate[token, target - 1]  # B x k: guess for layer t made at t-1
+        if self.nextgate is not None:  # the guess for layer t made at t-1
+            batch["nextgate"] = self.nextgate[token, target - 1]  # B x m ids, the router's top-k first
+        if self.nextgate_scores is not None:
+            batch["nextgate_scores"] = self.nextgate_scores[token, target - 1]  # B x m probabilities
         return batch
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """The exported predictor: a folder with config.json and model.safetensors, loadable with torch alone.
 
     predictor/
-      config.json        format version, geometry and feature spec, layer widths, training data,
+      config.json        format version, geometry and feature spec (with the predictor family and next-gate
+                         width), layer widths, training data,
                          split, metrics at export
       model.safetensors  MLP weights and the popularity / affinity statistics it uses
       split.json         the (dataset, request_id) pairs trained on, so evaluation can refuse overlap

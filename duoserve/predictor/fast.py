@@ -56,20 +56,22 @@ class SparseHistoryPredictor(nn.Module):
         self.tail = self.inner.mlp[1:]
         self.inner.mlp = nn.Sequential()  # its first layer now lives in history_rows and dense
 
-    def forward(self, history: torch.Tensor, target: torch.Tensor,
-                nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
         ids, valid = self.inner.window(history, target)  # B x W x k, B x W
         rows = torch.arange(s.window, device=ids.device)[None, :, None] * s.num_experts + ids  # B x W x k
         rows = torch.where(valid[..., None], rows, s.window * s.num_experts)  # missing layers: the zero row
         h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x H
-        dense = self.inner.dense_features(ids, target, nextgate)
-        return self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x E
+        dense = self.inner.dense_features(ids, target, nextgate, nextgate_scores)
+        correction = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x E
+        return self.inner.head(correction, nextgate, nextgate_scores)
 
     @torch.no_grad()
     def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                budget: int | None = None) -> torch.Tensor:
-        return self.forward(history, target, nextgate).topk(budget or self.spec.top_k, dim=1).indices
+                nextgate_scores: torch.Tensor | None = None, budget: int | None = None) -> torch.Tensor:
+        logits = self.forward(history, target, nextgate, nextgate_scores)
+        return logits.topk(budget or self.spec.top_k, dim=1).indices
 
 
 class GraphedPredictor:
@@ -84,7 +86,7 @@ class GraphedPredictor:
     ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
     batch sizes (then ``sparse`` and ``dtype`` are the module's own).
 
-    ``__call__(history, target[, nextgate])`` copies the inputs into static buffers, replays the
+    ``__call__(history, target[, nextgate, nextgate_scores])`` copies the inputs into static buffers, replays the
     graph on the current stream, and returns the static output (valid until the next call).
     """
 
@@ -97,7 +99,8 @@ class GraphedPredictor:
         self.model = module
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
-        self.nextgate = torch.zeros(batch_size, s.top_k, dtype=torch.long, device=device) if s.nextgate else None
+        self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if s.uses_nextgate else None
+        self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if s.uses_scores else None
         self.budget = budget or s.top_k
         call = self._scores if scores else self._top
         self._call = torch.compile(call, fullgraph=True) if compile else call
@@ -111,21 +114,24 @@ class GraphedPredictor:
         with torch.cuda.graph(self.graph, stream=side), torch.no_grad():  # one side stream: one cuBLAS workspace
             self.out = self._run()
 
-    def _top(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None) -> torch.Tensor:
-        return self.model.predict(history, target, nextgate, self.budget)  # B x budget
+    def _top(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
+             nextgate_scores: torch.Tensor | None) -> torch.Tensor:
+        return self.model.predict(history, target, nextgate, nextgate_scores, self.budget)  # B x budget
 
-    def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None) -> torch.Tensor:
-        return self.model(history, target, nextgate).sigmoid()  # B x E
+    def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
+                nextgate_scores: torch.Tensor | None) -> torch.Tensor:
+        return self.model(history, target, nextgate, nextgate_scores).sigmoid()  # B x E
 
     def _run(self) -> torch.Tensor:
-        return self._call(self.history, self.target, self.nextgate)
+        return self._call(self.history, self.target, self.nextgate, self.nextgate_scores)
 
-    def __call__(self, history: torch.Tensor, target: torch.Tensor,
-                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                 nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         self.history.copy_(history, non_blocking=True)
         self.target.copy_(target, non_blocking=True)
-        if self.nextgate is not None:
-            self.nextgate.copy_(nextgate, non_blocking=True)
+        for static, given in ((self.nextgate, nextgate), (self.nextgate_scores, nextgate_scores)):
+            if static is not None:
+                static.copy_(given, non_blocking=True)
         self.graph.replay()
         return self.out
 
@@ -146,25 +152,28 @@ class TrainedPredictor:
         self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (batch size, layer) -> B layer ids, made once
 
     @property
-    def nextgate(self) -> bool:
-        """Whether it takes the next-gate ids of its target layer."""
-        return self.predictor.spec.nextgate
+    def nextgate(self) -> int:
+        """How many next-gate ids (and, for hybrid and residual, scores) of its target layer it takes; 0: none."""
+        spec = self.predictor.spec
+        return spec.width if spec.uses_nextgate else 0
 
     @torch.no_grad()
-    def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         """B x E logits for each example's target layer (``target``: B layer ids)."""
-        return self.model(history, target, nextgate)
+        return self.model(history, target, nextgate, nextgate_scores)
 
     @torch.no_grad()
-    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
+               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         """B x E scores in [0, 1] of layer ``target`` for every sequence (on the current stream)."""
         B = len(history)
         if (B, target) not in self._targets:  # not one fill kernel per layer of every decode step
             self._targets[B, target] = torch.full((B,), target, dtype=torch.long, device=history.device)
         layer = self._targets[B, target]
         if history.device.type != "cuda":
-            return self.model(history, layer, nextgate).sigmoid()
+            return self.model(history, layer, nextgate, nextgate_scores).sigmoid()
         if B not in self._graphs:
             self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
                                                module=self.model)
-        return self._graphs[B](history, layer, nextgate)
+        return self._graphs[B](history, layer, nextgate, nextgate_scores)

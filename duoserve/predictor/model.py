@@ -1,6 +1,14 @@
 """The next-layer expert predictor: features built from a token's routing history, then an MLP.
 
-Shape legend: B examples, L MoE layers, E experts, k top-k, W history window (layers), D input width.
+Shape legend: B examples, L MoE layers, E experts, k top-k, W history window (layers), D input width,
+m next-gate width (ids and scores of the next-gate guess, the router's top-k first).
+
+Families (``FeatureSpec.family``):
+  paper     the DuoServe-MoE MLP: history + statistics (+ the next-gate's top-k as a multi-hot, if asked)
+  hybrid    the paper's features plus the next-gate's scores for the target layer, as an E vector
+  residual  the next-gate's log-probabilities plus a learned correction (an MLP over the hybrid's
+            features whose last layer starts at zero): it starts as next-gate and learns where the
+            router's guess is wrong
 
 Features for target layer t (predicting layer t from layers < t), concatenated:
   history    W x E  multi-hot of the experts selected at layers t-W .. t-1 (zero before layer 0)
@@ -8,6 +16,7 @@ Features for target layer t (predicting layer t from layers < t), concatenated:
   affinity   E      sum over layer t-1's selected experts i of P(j at t | i at t-1)
   layer      L      one-hot of t
   nextgate   E      optional: multi-hot of the next-gate guess for t (layer t's router on layer t-1's input)
+  ng scores  E      hybrid and residual: the next-gate's probabilities at its m ids, zero elsewhere
 The features are computed inside the module from expert ids, so training, evaluation and the
 runtime share one definition, and the exported artifact carries the statistics it needs.
 Needs torch only (no Lightning).
@@ -15,6 +24,7 @@ Needs torch only (no Lightning).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -23,6 +33,9 @@ from torch import nn
 from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
 
 PAPER_WIDTHS = (2048, 1024, 512, 256, 128, 64)
+FAMILIES = ("paper", "hybrid", "residual")
+LOG_FLOOR = 1e-6  # the residual's next-gate log-probability for experts outside the m it kept
+TIE_BREAK = 1e-4  # per position: equal (float16) scores keep the next-gate's own order
 
 
 @dataclass(frozen=True)
@@ -34,15 +47,35 @@ class FeatureSpec:
     popularity: bool = True
     affinity: bool = True
     nextgate: bool = False
+    family: str = "paper"
+    nextgate_width: int = 0  # m next-gate ids (and scores) an example carries; 0: k
 
     def __post_init__(self):
         if not 1 <= self.window <= self.num_layers - 1:
             raise ValueError(f"history window must be in 1..{self.num_layers - 1} layers, got {self.window}")
+        if self.family not in FAMILIES:
+            raise ValueError(f"unknown predictor family {self.family!r}; choose from {', '.join(FAMILIES)}")
+
+    @property
+    def uses_scores(self) -> bool:
+        """Whether it takes the next-gate's scores (hybrid, residual), not only its ids."""
+        return self.family != "paper"
+
+    @property
+    def uses_nextgate(self) -> bool:
+        """Whether it takes a next-gate guess at all."""
+        return self.nextgate or self.uses_scores
+
+    @property
+    def width(self) -> int:
+        """m: next-gate ids per example."""
+        return self.nextgate_width or self.top_k
 
     @property
     def input_dim(self) -> int:
         E = self.num_experts
-        return self.window * E + E * (self.popularity + self.affinity + self.nextgate) + self.num_layers
+        return (self.window * E + E * (self.popularity + self.affinity + self.nextgate + self.uses_scores)
+                + self.num_layers)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -63,6 +96,9 @@ class ExpertPredictor(nn.Module):
             blocks += [nn.Linear(width, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Dropout(dropout)]
             width = w
         self.mlp = nn.Sequential(*blocks, nn.Linear(width, E))
+        if spec.family == "residual":  # a zero correction: the untrained model is next-gate
+            nn.init.zeros_(self.mlp[-1].weight)
+            nn.init.zeros_(self.mlp[-1].bias)
 
     def window(self, history: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The expert ids at the W layers before each target (B x W x k) and which of those layers exist (B x W)."""
@@ -71,8 +107,8 @@ class ExpertPredictor(nn.Module):
         ids = history.long().gather(1, layers.clamp(min=0)[..., None].expand(-1, -1, history.shape[2]))
         return ids, layers >= 0
 
-    def dense_features(self, window_ids: torch.Tensor, target: torch.Tensor,
-                       nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def dense_features(self, window_ids: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                       nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         """B x (D - W*E): every feature after the history (popularity, affinity, layer, next-gate)."""
         s = self.spec
         B, E, target = len(target), s.num_experts, target.long()
@@ -82,32 +118,59 @@ class ExpertPredictor(nn.Module):
         if s.affinity:
             parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target))  # B x E, from layer t-1
         parts.append(torch.zeros(B, s.num_layers, device=target.device).scatter_(1, target[:, None], 1.0))  # B x L
+        if s.uses_nextgate and nextgate is None:
+            raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")
         if s.nextgate:
-            if nextgate is None:
-                raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")
-            parts.append(torch.zeros(B, E, device=target.device).scatter_(1, nextgate.long(), 1.0))
+            parts.append(torch.zeros(B, E, device=target.device).scatter_(1, nextgate[:, :s.top_k].long(), 1.0))
+        if s.uses_scores:
+            parts.append(self._scattered(nextgate, nextgate_scores))  # B x E
         return torch.cat(parts, dim=1)
 
-    def features(self, history: torch.Tensor, target: torch.Tensor,
-                 nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def _scattered(self, nextgate: torch.Tensor, nextgate_scores: torch.Tensor | None) -> torch.Tensor:
+        """B x E: the next-gate's scores at its ids, zero elsewhere."""
+        if nextgate_scores is None:
+            raise ValueError(f"a {self.spec.family} predictor needs the next-gate's scores (traces of format "
+                             "version 2 recorded with --lookahead >= 1)")
+        zeros = torch.zeros(len(nextgate), self.spec.num_experts, device=nextgate.device)
+        return zeros.scatter_(1, nextgate.long(), nextgate_scores.float())
+
+    def nextgate_logits(self, nextgate: torch.Tensor, nextgate_scores: torch.Tensor) -> torch.Tensor:
+        """B x E: the residual family's starting point, the next-gate's log-probabilities (a floor where it kept
+        no score), less a hair per position so equal scores keep the next-gate's order."""
+        position = torch.arange(nextgate.shape[1], device=nextgate.device) * TIE_BREAK  # m
+        ranked = nextgate_scores.float().clamp_min(LOG_FLOOR).log() - position  # B x m
+        floor = torch.full((len(nextgate), self.spec.num_experts), math.log(LOG_FLOOR) - 1.0, device=nextgate.device)
+        return floor.scatter_(1, nextgate.long(), ranked)
+
+    def head(self, correction: torch.Tensor, nextgate: torch.Tensor | None,
+             nextgate_scores: torch.Tensor | None) -> torch.Tensor:
+        """B x E logits from the MLP's output: itself, or for the residual family a correction of next-gate."""
+        if self.spec.family != "residual":
+            return correction
+        return self.nextgate_logits(nextgate, nextgate_scores) + correction
+
+    def features(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                 nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         """B x D features. ``history`` B x L' x k ids (layers >= target are ignored), ``target`` B layer ids
-        in 1..L-1, ``nextgate`` B x k ids guessed for the target layer (when the spec uses it)."""
+        in 1..L-1, ``nextgate`` B x m ids guessed for the target layer (the router's top-k first) and
+        ``nextgate_scores`` their probabilities (B x m), when the spec uses them."""
         ids, valid = self.window(history, target)  # B x W x k, B x W
         B, W, E = len(target), self.spec.window, self.spec.num_experts
         multi_hot = torch.zeros(B, W, E, device=history.device).scatter_(2, ids, 1.0).mul_(valid[..., None].float())
-        return torch.cat([multi_hot.flatten(1), self.dense_features(ids, target, nextgate)], dim=1)  # B x D
+        dense = self.dense_features(ids, target, nextgate, nextgate_scores)
+        return torch.cat([multi_hot.flatten(1), dense], dim=1)  # B x D
 
-    def forward(self, history: torch.Tensor, target: torch.Tensor,
-                nextgate: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
         """B x E logits for the experts of layer ``target``."""
-        x = self.features(history, target, nextgate)
-        return self.mlp(x.to(self.mlp[0].weight.dtype))
+        x = self.features(history, target, nextgate, nextgate_scores)
+        return self.head(self.mlp(x.to(self.mlp[0].weight.dtype)), nextgate, nextgate_scores)
 
     @torch.no_grad()
     def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                budget: int | None = None) -> torch.Tensor:
+                nextgate_scores: torch.Tensor | None = None, budget: int | None = None) -> torch.Tensor:
         """B x budget expert ids (default budget: top-k), best first."""
-        logits = self.forward(history, target, nextgate)
+        logits = self.forward(history, target, nextgate, nextgate_scores)
         return logits.topk(budget or self.spec.top_k, dim=1).indices
 
     def check_geometry(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:

@@ -2,7 +2,8 @@
 
 The graph is the BatchNorm-folded predictor with the features built inside it, as in PyTorch:
 inputs ``history`` (B x L x k int64 expert ids; layers >= target are ignored), ``target`` (B int64
-layer ids in 1..L-1) and, for next-gate predictors, ``nextgate`` (B x k int64); output ``logits``
+layer ids in 1..L-1) and, for next-gate predictors, ``nextgate`` (B x m int64, the next-gate's ids,
+its top-k first) and, for the hybrid and residual families, ``nextgate_scores`` (B x m float32); output ``logits``
 (B x E). The batch size is dynamic. ``export_onnx`` checks the file with onnxruntime against the
 PyTorch module on random inputs before it puts it in place.
 """
@@ -24,8 +25,11 @@ def _random_inputs(predictor: ExpertPredictor, batch: int, generator: torch.Gene
     s = predictor.spec
     inputs = {"history": torch.randint(0, s.num_experts, (batch, s.num_layers, s.top_k), generator=generator),
               "target": torch.randint(1, s.num_layers, (batch,), generator=generator)}
-    if s.nextgate:
-        inputs["nextgate"] = torch.randint(0, s.num_experts, (batch, s.top_k), generator=generator)
+    if s.uses_nextgate:
+        order = torch.rand(batch, s.num_experts, generator=generator).argsort(1)
+        inputs["nextgate"] = order[:, :s.width]  # distinct ids, as a router gives them
+    if s.uses_scores:
+        inputs["nextgate_scores"] = torch.rand(batch, s.width, generator=generator).sort(1, descending=True).values
     return inputs
 
 

@@ -31,7 +31,8 @@ class DecodePrefetch:
 
     def __init__(self, predictor: LayerPredictor | HostPredictor, cache: ExpertCache, stores: list[HostExperts],
                  streams: Streams, timers: EngineTimers, geometry: tuple[int, int, int], lookahead: int,
-                 min_score: float, next_gate: list[Callable[[torch.Tensor], torch.Tensor] | None] | None):
+                 min_score: float,
+                 next_gate: list[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None] | None):
         self.predictor, self.cache, self.stores, self.streams, self.timers = predictor, cache, stores, streams, timers
         self.L, self.E, self.k = geometry
         self.lookahead, self.min_score, self.next_gate = lookahead, min_score, next_gate
@@ -70,8 +71,8 @@ class DecodePrefetch:
         with self.streams.on(stream), self.timers.predict.span(stream):
             self.history[:, l].copy_(idx)
             # next-gate: layer t's router on this layer's MoE input (t = l + 1; such predictors take look-ahead 1)
-            scores = torch.stack([self.predictor.scores(self.history, t, self.next_gate[t](hidden)
-                                                        if self.next_gate else None)
+            scores = torch.stack([self.predictor.scores(self.history, t, *(self.next_gate[t](hidden)
+                                                                           if self.next_gate else ()))
                                   for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
             if top.indices.device.type == "cpu":  # the CPU playing the GPU

@@ -26,12 +26,14 @@ class RoutingSource(Protocol):
 
 class LayerPredictor(Protocol):
     """Scores layer ``target``'s experts for each sequence of a decode step, on the device, from the B x L x k
-    routing history (and the B x k next-gate ids for ``target``, if it uses them)."""
+    routing history (and the next-gate's B x m ids and their scores for ``target``, if it uses them: ``nextgate``
+    says how many ids, 0 for none)."""
 
     on_host = False
+    nextgate: int
 
-    def scores(self, history: torch.Tensor, target: int,
-               nextgate: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E
+    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
+               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E
 
 
 class HostPredictor(Protocol):

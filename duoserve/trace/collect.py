@@ -21,7 +21,7 @@ from duoserve.discovery import MoEGeometry, find_moe_layers, moe_geometry
 from duoserve.embedded import EMBEDDED_NAME
 from duoserve.files import check_output
 from duoserve.loading import load_model
-from duoserve.trace.format import TraceMeta, nextgate_column
+from duoserve.trace.format import TraceMeta, nextgate_column, nextgate_scores_column
 from duoserve.trace.hooks import ForwardRecord, RoutingRecorder
 from duoserve.trace.writer import TraceWriter, finished_requests, prepare_out_dir
 
@@ -53,10 +53,11 @@ def rows_from_records(records: list[ForwardRecord], input_ids: torch.Tensor, att
     def flat(t: torch.Tensor) -> torch.Tensor:  # B x S x L x k -> B x S x L*k
         return t.reshape(B, -1, t.shape[-2] * t.shape[-1])
 
-    names = ["experts", "scores", *(nextgate_column(d) for d in range(1, lookahead + 1) if d in records[0].nextgate)]
+    depths = [d for d in range(1, lookahead + 1) if d in records[0].nextgate]
+    names = ["experts", "scores", *(c for d in depths for c in (nextgate_column(d), nextgate_scores_column(d)))]
 
     def columns(r: ForwardRecord) -> list[torch.Tensor]:
-        return [r.ids, r.weights, *(r.nextgate[d] for d in range(1, lookahead + 1) if d in r.nextgate)]
+        return [r.ids, r.weights, *(c for d in depths for c in (r.nextgate[d], r.nextgate_scores[d]))]
 
     values = [[flat(c)[mask]] for c in columns(records[0])]
     C = len(records) - 1
@@ -118,6 +119,7 @@ class CollectSettings:
     max_prompt_tokens: int = 1024
     batch_size: int = 8
     lookahead: int = 1
+    nextgate_width: int | None = None  # m next-gate ids and scores kept per token and layer (default 2k)
     device: str = "auto"
     dtype: str = "auto"
     revision: str | None = None
@@ -160,12 +162,16 @@ def collect(s: CollectSettings, on_batch: Callable[[int, int], None] | None = No
     if s.lookahead > geometry.num_layers - 1:
         raise ValueError(f"look-ahead {s.lookahead} reaches past the model's last MoE layer: {s.model} has "
                          f"{geometry.num_layers}, so at most {geometry.num_layers - 1}")
-    recorder = RoutingRecorder(layers, geometry.top_k, s.lookahead)
+    width = min(s.nextgate_width or 2 * geometry.top_k, geometry.num_experts)
+    if not geometry.top_k <= width <= geometry.num_experts:
+        raise ValueError(f"next-gate width {width} must be between top-k ({geometry.top_k}) and the expert count "
+                         f"({geometry.num_experts})")
+    recorder = RoutingRecorder(layers, geometry.top_k, s.lookahead, width)
     meta = TraceMeta(
         model=s.model, revision=s.revision, num_layers=geometry.num_layers, num_experts=geometry.num_experts,
         top_k=geometry.top_k, decoder_indices=list(geometry.decoder_indices),
         datasets=[{"name": d.name, "source": d.source} for d in s.datasets], lookahead=s.lookahead,
-        fraction=s.fraction, count=s.count, seed=s.seed, package_version=duoserve.__version__,
+        nextgate_width=width if s.lookahead else 0, fraction=s.fraction, count=s.count, seed=s.seed, package_version=duoserve.__version__,
         generation={"max_new_tokens": s.max_new_tokens, "max_prompt_tokens": s.max_prompt_tokens, "greedy": True,
                     "dtype": s.dtype},
     )

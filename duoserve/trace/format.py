@@ -2,9 +2,13 @@
 
 Columns (docs/design.md): request_id int64, dataset string, phase "prefill" | "decode",
 position int32, token_id int32, experts fixed_size_list<int16>[L*k] (layer-major, router order),
-scores fixed_size_list<float16>[L*k] (router weights), and optional next-gate columns:
-``nextgate`` (depth 1: layer l+1's router on layer l's MoE input, (L-1)*k ids) and
-``nextgate_d{d}`` for deeper look-ahead d ((L-d)*k ids).
+scores fixed_size_list<float16>[L*k] (router weights), and optional next-gate columns for each
+look-ahead depth d = 1..D: ``nextgate`` / ``nextgate_d{d}``, the top-m ids of layer l+d's router
+applied to layer l's MoE input ((L-d)*m int16, the router's own top-k first, then the next best
+by its scores), and ``nextgate_scores`` / ``nextgate_scores_d{d}``, their softmax probabilities
+over the E experts ((L-d)*m float16). m is the metadata's ``nextgate_width`` (2k by default).
+
+Version 1 traces (m = k, no score columns) still open: their ``nextgate_width`` reads as k.
 
 Every part carries the same JSON metadata under the ``duoserve`` key: format version, model,
 geometry, sampling and generation settings. Later stages open a trace only through
@@ -24,13 +28,18 @@ import pyarrow.compute as pc
 import pyarrow.dataset as pads
 import pyarrow.parquet as pq
 
-TRACE_VERSION = 1
+TRACE_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 META_KEY = b"duoserve"
 PHASES = ("prefill", "decode")
 
 
 def nextgate_column(depth: int) -> str:
     return "nextgate" if depth == 1 else f"nextgate_d{depth}"
+
+
+def nextgate_scores_column(depth: int) -> str:
+    return "nextgate_scores" if depth == 1 else f"nextgate_scores_d{depth}"
 
 
 @dataclass(frozen=True)
@@ -44,6 +53,7 @@ class TraceMeta:
     decoder_indices: list[int]
     datasets: list[dict]  # [{"name", "source"}]
     lookahead: int = 0  # next-gate depth recorded (0: none)
+    nextgate_width: int = 0  # m: next-gate ids (and scores) per token and layer; 0 without next-gate
     revision: str | None = None
     fraction: float | None = None
     count: int | None = None
@@ -52,15 +62,28 @@ class TraceMeta:
     package_version: str = ""
     version: int = TRACE_VERSION
 
+    def __post_init__(self):
+        if self.lookahead and not self.top_k <= self.nextgate_width <= self.num_experts:
+            raise ValueError(f"a trace with next-gate columns needs a width between top-k ({self.top_k}) and the "
+                             f"expert count ({self.num_experts}), got {self.nextgate_width}")
+
     def to_bytes(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> TraceMeta:
         data = json.loads(raw)
-        if data.get("version") != TRACE_VERSION:
-            raise ValueError(f"trace format version {data.get('version')} is not supported (expected {TRACE_VERSION})")
+        if data.get("version") not in READABLE_VERSIONS:
+            raise ValueError(f"trace format version {data.get('version')} is not supported (this duoserve reads "
+                             f"{', '.join(map(str, READABLE_VERSIONS))})")
+        if data["version"] == 1 and data.get("lookahead"):
+            data["nextgate_width"] = data["top_k"]  # version 1 recorded the router's top-k ids only
         return cls(**data)
+
+    @property
+    def nextgate_scores(self) -> bool:
+        """Whether the next-gate columns come with their scores (version 2 traces with look-ahead)."""
+        return self.version >= 2 and self.lookahead >= 1
 
 
 def arrow_schema(meta: TraceMeta) -> pa.Schema:
@@ -75,8 +98,11 @@ def arrow_schema(meta: TraceMeta) -> pa.Schema:
         pa.field("experts", pa.list_(pa.int16(), L * k), nullable=False),
         pa.field("scores", pa.list_(pa.float16(), L * k), nullable=False),
     ]
-    fields += [pa.field(nextgate_column(d), pa.list_(pa.int16(), (L - d) * k), nullable=False)
-               for d in range(1, min(meta.lookahead, L - 1) + 1)]
+    m = meta.nextgate_width
+    for d in range(1, min(meta.lookahead, L - 1) + 1):
+        fields.append(pa.field(nextgate_column(d), pa.list_(pa.int16(), (L - d) * m), nullable=False))
+        if meta.nextgate_scores:
+            fields.append(pa.field(nextgate_scores_column(d), pa.list_(pa.float16(), (L - d) * m), nullable=False))
     return pa.schema(fields, metadata={META_KEY: meta.to_bytes()})
 
 

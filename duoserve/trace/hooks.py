@@ -25,22 +25,25 @@ class ForwardRecord:
 
     ids: torch.Tensor  # T x L x k, int16, router order
     weights: torch.Tensor  # T x L x k, float32
-    nextgate: dict[int, torch.Tensor] = field(default_factory=dict)  # depth d -> T x (L - d) x k, int16
+    nextgate: dict[int, torch.Tensor] = field(default_factory=dict)  # depth d -> T x (L - d) x m ids, int16
+    nextgate_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # depth d -> T x (L - d) x m, float16
 
 
 class RoutingRecorder:
     """Records, while active, every MoE layer's top-k ids and weights, and the next-gate speculation.
 
     ``lookahead`` D >= 1 also applies the router of MoE layer l + d (d = 1..D) to the hidden state
-    entering layer l: the "next-gate" guess, the strongest zero-training baseline. D = 0 disables it.
+    entering layer l: the "next-gate" guess, the strongest zero-training baseline, kept as its top
+    ``width`` ids (default 2k) and their probabilities. D = 0 disables it.
     """
 
-    def __init__(self, layers: list[MoELayer], top_k: int, lookahead: int = 1):
+    def __init__(self, layers: list[MoELayer], top_k: int, lookahead: int = 1, width: int | None = None):
         if lookahead and any(layer.router is None for layer in layers[1:]):
             raise UnsupportedModelError("next-gate needs each MoE layer's router as a `gate` or `router` sibling of "
                                         "its experts module; pass lookahead=0 to trace without it")
         self.layers, self.top_k, self.lookahead = layers, top_k, lookahead
-        self._next_gate = [next_gate_fn(layer.router, top_k) if lookahead and l else None
+        self.width = width or 2 * top_k
+        self._next_gate = [next_gate_fn(layer.router, top_k, self.width) if lookahead and l else None
                            for l, layer in enumerate(layers)]
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._clear()
@@ -49,7 +52,7 @@ class RoutingRecorder:
         L = len(self.layers)
         self._ids: list[list[torch.Tensor]] = [[] for _ in range(L)]
         self._weights: list[list[torch.Tensor]] = [[] for _ in range(L)]
-        self._nextgate = {d: [[] for _ in range(L - d)] for d in range(1, self.lookahead + 1)}
+        self._nextgate = {d: [[] for _ in range(L - d)] for d in range(1, self.lookahead + 1)}  # (ids, scores)
 
     def _hook(self, l: int):
         L = len(self.layers)
@@ -62,7 +65,7 @@ class RoutingRecorder:
             self._ids[l].append(ids)  # T x k
             self._weights[l].append(weights)  # T x k
             for d in depths:
-                self._nextgate[d][l].append(self._next_gate[l + d](hidden))  # T x k
+                self._nextgate[d][l].append(self._next_gate[l + d](hidden))  # T x m ids, T x m scores
 
         return pre_hook
 
@@ -97,6 +100,11 @@ class RoutingRecorder:
 
         ids = gather(self._ids, torch.int16)
         weights = gather(self._weights, torch.float32)
-        nextgate = {d: gather(layers, torch.int16) for d, layers in self._nextgate.items() if layers}
+        guesses = {d: layers for d, layers in self._nextgate.items() if layers}
+        nextgate = {d: gather([[ids for ids, _ in calls_] for calls_ in layers], torch.int16)
+                    for d, layers in guesses.items()}
+        scores = {d: gather([[p for _, p in calls_] for calls_ in layers], torch.float16)
+                  for d, layers in guesses.items()}
         self._clear()
-        return [ForwardRecord(ids[c], weights[c], {d: ng[c] for d, ng in nextgate.items()}) for c in range(len(sizes))]
+        return [ForwardRecord(ids[c], weights[c], {d: ng[c] for d, ng in nextgate.items()},
+                              {d: sc[c] for d, sc in scores.items()}) for c in range(len(sizes))]

@@ -35,8 +35,8 @@ from duoserve.features.stats import stats_from_ids
 from duoserve.files import check_output, write_json
 from duoserve.metrics import topk_metrics
 from duoserve.predictor.artifact import save_predictor
-from duoserve.predictor.baselines import affinity_markov_scores, popularity_scores
-from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from duoserve.predictor.baselines import affinity_markov_scores, nextgate_rank_scores, popularity_scores
+from duoserve.predictor.model import FAMILIES, ExpertPredictor, FeatureSpec
 from duoserve.trace.format import open_trace
 from duoserve.train.lightning import PredictorModule, RoutingDataModule
 from duoserve.train.settings import FEATURES, FitSettings
@@ -71,11 +71,11 @@ def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Exa
     for i in range(0, len(data), batch_size):
         b = data.__getitems__(list(range(i, min(i + batch_size, len(data)))))
         prev = previous_experts(b)  # B x k
-        scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate")))
+        scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate"), b.get("nextgate_scores")))
         scores["popularity"].append(popularity_scores(predictor.popularity, b["target"]))
         scores["affinity"].append(affinity_markov_scores(predictor.affinity, prev, b["target"]))
         if "nextgate" in scores:
-            scores["nextgate"].append(torch.zeros(len(prev), E).scatter_(1, b["nextgate"], 1.0))
+            scores["nextgate"].append(nextgate_rank_scores(b["nextgate"], E))
         truth.append(b["truth"])
     truth_t = torch.cat(truth)
     return {name: topk_metrics(torch.cat(s), truth_t, E) for name, s in scores.items()}
@@ -102,10 +102,16 @@ def fit(s: FitSettings) -> FitResult:
     L, E, k = meta.num_layers, meta.num_experts, meta.top_k
     if L < 2:
         raise ValueError("a next-layer predictor needs at least 2 MoE layers")
-    if "nextgate" in s.features and table.nextgate is None:
-        raise ValueError("the nextgate feature needs traces recorded with --lookahead >= 1")
+    if s.family not in FAMILIES:
+        raise ValueError(f"unknown predictor family {s.family!r}; choose from {', '.join(FAMILIES)}")
+    if ("nextgate" in s.features or s.family != "paper") and table.nextgate is None:
+        raise ValueError(f"the {'nextgate feature' if s.family == 'paper' else s.family + ' family'} needs traces "
+                         "recorded with --lookahead >= 1")
+    if s.family != "paper" and table.nextgate_scores is None:
+        raise ValueError(f"the {s.family} family needs the next-gate's scores: traces of format version 2 (trace "
+                         "again with this duoserve)")
     spec = FeatureSpec(L, E, k, s.window or L - 1, "popularity" in s.features, "affinity" in s.features,
-                       "nextgate" in s.features)
+                       "nextgate" in s.features, s.family, table.nextgate.shape[2] if table.nextgate is not None else 0)
 
     val_request = split_requests(table.requests, s.val_fraction, s.seed)  # per request
     train_request = ~val_request

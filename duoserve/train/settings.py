@@ -27,6 +27,7 @@ class FitSettings:
     widths: tuple[int, ...] = PAPER_WIDTHS
     dropout: float = 0.1
     features: Sequence[str] = ("popularity", "affinity")  # plus "nextgate" if wanted
+    family: str = "paper"  # duoserve.predictor.model.FAMILIES
     epochs: int = 10
     batch_size: int = 1024
     lr: float = 1e-3

@@ -1,0 +1,135 @@
+"""Predictor families (paper, hybrid, residual) on the embedded traces, and version-1 traces beside version-2 ones."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from duoserve import load_predictor
+from duoserve.features.examples import ExampleSet, load_routing, make_examples
+from duoserve.predictor.model import FAMILIES, ExpertPredictor, FeatureSpec
+from duoserve.trace import open_trace
+from duoserve.trace.format import META_KEY, TraceMeta, arrow_schema
+from duoserve.train.fit import FitSettings, fit
+
+SMALL = dict(widths=(64,), epochs=1, batch_size=512, progress=False, clean=True)
+
+
+def _examples(trace, rows: int = 400):
+    table = load_routing([trace])
+    return table, ExampleSet(table, make_examples(np.arange(rows), table.meta.num_layers)).__getitems__(
+        list(range(rows * (table.meta.num_layers - 1))))
+
+
+def test_version_2_traces_carry_next_gate_ids_and_probabilities(embedded_trace):
+    meta = embedded_trace.meta
+    assert meta.version == 2 and meta.nextgate_width == 2 * meta.top_k and meta.nextgate_scores
+    table, _ = _examples(embedded_trace)
+    L, k, m = meta.num_layers, meta.top_k, meta.nextgate_width
+    assert table.nextgate.shape == table.nextgate_scores.shape == (len(table), L - 1, m)
+    scores = table.nextgate_scores
+    assert (scores > 0).all() and (scores <= 1).all() and (scores.sum(2) <= 1.01).all()
+    # past the router's own top-k, the rest come best first
+    assert (np.diff(scores[..., k:], axis=2) <= 1e-3).all()
+
+
+def test_untrained_residual_is_next_gate_exactly(embedded_trace):
+    meta = embedded_trace.meta
+    _, batch = _examples(embedded_trace)
+    spec = FeatureSpec(meta.num_layers, meta.num_experts, meta.top_k, meta.num_layers - 1, family="residual",
+                       nextgate_width=meta.nextgate_width)
+    residual = ExpertPredictor(spec, widths=(32,)).eval()  # its correction starts at zero
+    predicted = residual.predict(batch["history"], batch["target"], batch["nextgate"], batch["nextgate_scores"])
+    k = meta.top_k
+    assert torch.equal(predicted, batch["nextgate"][:, :k])  # same ids, same order
+    with torch.no_grad():
+        residual.mlp[-1].bias[0] = 100.0  # a correction changes the guess
+    moved = residual.predict(batch["history"], batch["target"], batch["nextgate"], batch["nextgate_scores"])
+    assert (moved == 0).any(1).all() and not torch.equal(moved, predicted)
+
+
+def test_hybrid_reads_the_next_gate_scores(embedded_trace):
+    meta = embedded_trace.meta
+    _, batch = _examples(embedded_trace, rows=20)
+    spec = FeatureSpec(meta.num_layers, meta.num_experts, meta.top_k, 3, family="hybrid",
+                       nextgate_width=meta.nextgate_width)
+    hybrid = ExpertPredictor(spec, widths=(32,)).eval()
+    args = batch["history"], batch["target"], batch["nextgate"]
+    with torch.no_grad():
+        base = hybrid(*args, batch["nextgate_scores"])
+        assert not torch.allclose(base, hybrid(*args, batch["nextgate_scores"].flip(1)))
+    with pytest.raises(ValueError, match="needs the next-gate's scores"):
+        hybrid(*args)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_and_loads_with_torch_alone(family, embedded_trace, tmp_path):
+    out = tmp_path / family
+    result = fit(FitSettings(traces=[embedded_trace.path], out=out, family=family, **SMALL))
+    config = json.loads((out / "config.json").read_text())
+    assert config["feature_spec"]["family"] == family and result.metrics["predictor"]["recall"] > 0.3
+    probe = (f"import sys, torch; sys.modules['lightning'] = None; from duoserve import load_predictor; "
+             f"p = load_predictor({str(out)!r}); assert p.spec.family == {family!r}; print(p.spec.width)")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert int(done.stdout) == embedded_trace.meta.nextgate_width
+    _, batch = _examples(embedded_trace, rows=5)
+    logits = load_predictor(out)(batch["history"], batch["target"], batch["nextgate"], batch["nextgate_scores"])
+    assert logits.shape == (len(batch["target"]), embedded_trace.meta.num_experts)
+
+
+def _as_version_1(trace, out):
+    """``trace`` rewritten as version 1 wrote it: next-gate top-k ids only, no scores."""
+    meta = json.loads(pq.read_schema(trace.files[0]).metadata[META_KEY])
+    k, L, m = meta["top_k"], meta["num_layers"], meta.pop("nextgate_width")
+    meta["version"] = 1
+    out.mkdir()
+    for f in trace.files:
+        table = pq.read_table(f).drop_columns(["nextgate_scores"])
+        ids = table.column("nextgate").combine_chunks().flatten().to_numpy().reshape(-1, L - 1, m)[..., :k]
+        column = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), (L - 1) * k)
+        table = table.set_column(table.schema.get_field_index("nextgate"), "nextgate", column)
+        schema = arrow_schema(TraceMeta.from_bytes(json.dumps(meta).encode()))  # the version-1 schema, non-null
+        pq.write_table(table.cast(schema).replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), out / f.name)
+    return open_trace(out)
+
+
+def test_version_1_traces_still_load_and_train_what_they_can(embedded_trace, tmp_path):
+    old = _as_version_1(embedded_trace, tmp_path / "v1")
+    assert old.meta.version == 1 and old.meta.nextgate_width == old.meta.top_k and not old.meta.nextgate_scores
+    table = load_routing([old])
+    new = load_routing([embedded_trace])
+    assert table.nextgate_scores is None
+    np.testing.assert_array_equal(table.nextgate, new.nextgate[..., :old.meta.top_k])
+    np.testing.assert_array_equal(table.ids, new.ids)
+    both = load_routing([old, embedded_trace])  # mixed versions: the common width, no scores
+    assert both.nextgate.shape[2] == old.meta.top_k and both.nextgate_scores is None
+    fit(FitSettings(traces=[old.path], out=tmp_path / "paper", features=("popularity", "nextgate"), **SMALL))
+    with pytest.raises(ValueError, match="needs the next-gate's scores: traces of format version 2"):
+        fit(FitSettings(traces=[old.path], out=tmp_path / "hybrid", family="hybrid", **SMALL))
+    assert not (tmp_path / "hybrid").exists()
+
+
+def test_residual_exports_to_onnx_with_its_next_gate_inputs(embedded_trace, tmp_path):
+    pytest.importorskip("onnxruntime", reason="the onnx extra")
+    import onnxruntime
+
+    from duoserve.predictor.onnx import export_onnx
+
+    meta = embedded_trace.meta
+    spec = FeatureSpec(meta.num_layers, meta.num_experts, meta.top_k, 2, family="residual",
+                       nextgate_width=meta.nextgate_width)
+    model = ExpertPredictor(spec, widths=(16,)).eval()
+    with torch.no_grad():
+        model.mlp[-1].weight.normal_()  # a correction that is not zero, so both parts of the logits count
+    path, diff = export_onnx(model, tmp_path)
+    assert diff < 1e-4
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    assert [i.name for i in session.get_inputs()] == ["history", "target", "nextgate", "nextgate_scores"]
