@@ -2,11 +2,13 @@
 
     python benchmarks/predictor_latency.py                       # CPU
     python benchmarks/predictor_latency.py --device cuda         # + CUDA graphs (fp32, bf16) and GPU memory
+    python benchmarks/predictor_latency.py --device cuda --family residual   # another family (paper, hybrid, residual)
 
 Geometry L=48, E=128, k=8 (Qwen3-30B-A3B's) with the paper's widths and random weights and
 statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with
 the sparse (embedding-bag) first layer, and on CUDA CUDA graphs of the folded one (fp32, bf16,
-fp32 through torch.compile) and of the sparse one.
+fp32 through torch.compile) and of the sparse one. Hybrid and residual predictors are also handed
+the next-gate's 2k ids and scores (computed by the runtime from the router; not timed here).
 Reports the median per-call latency, each
 variant's speed-up over eager in the same run, and on CUDA the GPU memory the predictor holds.
 Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 300 MB.
@@ -27,7 +29,7 @@ from duoserve.predictor.fast import (
     SparseHistoryPredictor,
     fold_batchnorm,
 )
-from duoserve.predictor.model import PAPER_WIDTHS
+from duoserve.predictor.model import FAMILIES, PAPER_WIDTHS
 
 
 def time_calls(fn, device: torch.device, iters: int) -> float:
@@ -47,6 +49,16 @@ def routed_ids(g: torch.Generator, L: int, E: int, k: int) -> torch.Tensor:
     return torch.rand(1, L, E, generator=g).argsort(-1)[..., :k]
 
 
+def next_gate_inputs(model, g: torch.Generator, device) -> tuple[torch.Tensor, ...]:
+    """The next-gate ids (1 x m, distinct) and scores (1 x m, best first) a family takes; () for none."""
+    s = model.spec
+    if not s.uses_nextgate:
+        return ()
+    ids = torch.rand(1, s.num_experts, generator=g).argsort(-1)[:, :s.width].to(device)
+    scores = torch.rand(1, s.width, generator=g).sort(-1, descending=True).values.to(device)
+    return (ids, scores) if s.uses_scores else (ids,)
+
+
 def agreement_with_eager(model, graphed, L: int, E: int, k: int, device, samples: int = 500) -> float:
     """Share of random inputs on which the graphed predictor picks the same top-k set as eager float32."""
     g = torch.Generator().manual_seed(1)
@@ -54,7 +66,9 @@ def agreement_with_eager(model, graphed, L: int, E: int, k: int, device, samples
     for _ in range(samples):
         history = routed_ids(g, L, E, k).to(device)
         target = torch.randint(1, L, (1,), generator=g).to(device)
-        same += torch.equal(graphed(history, target).sort().values, model.predict(history, target).sort().values)
+        extra = next_gate_inputs(model, g, device)
+        same += torch.equal(graphed(history, target, *extra).sort().values,
+                            model.predict(history, target, *extra).sort().values)
     return same / samples
 
 
@@ -75,21 +89,23 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=2000)
+    ap.add_argument("--family", choices=FAMILIES, default="paper")
     args = ap.parse_args()
     device = torch.device(args.device)
     L, E, k = args.layers, args.experts, args.top_k
 
     base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    model = random_predictor(L, E, k, PAPER_WIDTHS).to(device)
+    model = random_predictor(L, E, k, PAPER_WIDTHS, args.family).to(device)
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     history = routed_ids(torch.Generator().manual_seed(0), L, E, k).to(device)
     target = torch.tensor([L // 2], device=device)
+    extra = next_gate_inputs(model, torch.Generator().manual_seed(2), device)
     eager_mb = (torch.cuda.memory_allocated(device) - base_mem) / 2**20 if device.type == "cuda" else 0.0
-    variants = {"eager": lambda: model.predict(history, target)}
+    variants = {"eager": lambda: model.predict(history, target, *extra)}
     folded = fold_batchnorm(model)
-    variants["bn_folded"] = lambda: folded.predict(history, target)
+    variants["bn_folded"] = lambda: folded.predict(history, target, *extra)
     sparse = SparseHistoryPredictor(model)
-    variants["bn_folded_sparse"] = lambda: sparse.predict(history, target)
+    variants["bn_folded_sparse"] = lambda: sparse.predict(history, target, *extra)
     memory, agreement, gpu_time = {"eager_model": eager_mb}, {}, {}
     if device.type == "cuda":
         for name, dtype, sparse_graph, compiled in (("cuda_graph", torch.float32, False, False),
@@ -101,11 +117,11 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(device)
             graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype, sparse=sparse_graph,
                                        compile=compiled)
-            graphed(history, target)
+            graphed(history, target, *extra)
             torch.cuda.synchronize(device)
             memory[name] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
                             "peak": (torch.cuda.max_memory_allocated(device) - before) / 2**20}
-            variants[name] = lambda g=graphed: g(history, target)
+            variants[name] = lambda g=graphed: g(history, target, *extra)
             agreement[name] = agreement_with_eager(model, graphed, L, E, k, device)
             gpu_time[name] = replay_gpu_ms(graphed, device)
     results = {}
@@ -114,7 +130,7 @@ def main() -> None:
             fn()
         results[name] = time_calls(fn, device, args.iters)
     report = {
-        "benchmark": "predictor_latency", "geometry": {"L": L, "E": E, "k": k},
+        "benchmark": "predictor_latency", "family": args.family, "geometry": {"L": L, "E": E, "k": k},
         "widths": list(PAPER_WIDTHS), "input_dim": model.spec.input_dim, "parameters_and_buffers": params,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": 1,

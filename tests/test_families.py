@@ -133,3 +133,27 @@ def test_residual_exports_to_onnx_with_its_next_gate_inputs(embedded_trace, tmp_
     assert diff < 1e-4
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     assert [i.name for i in session.get_inputs()] == ["history", "target", "nextgate", "nextgate_scores"]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
+@pytest.mark.parametrize("family", ["hybrid", "residual"])
+def test_next_gate_families_replay_as_cuda_graphs(family, embedded_trace):
+    from duoserve.predictor import TrainedPredictor
+
+    meta = embedded_trace.meta
+    _, batch = _examples(embedded_trace, rows=3)
+    spec = FeatureSpec(meta.num_layers, meta.num_experts, meta.top_k, 3, family=family,
+                       nextgate_width=meta.nextgate_width)
+    model = ExpertPredictor(spec, widths=(64, 32)).eval()
+    with torch.no_grad():
+        model.mlp[-1].weight.normal_(std=0.1)
+    deployed = TrainedPredictor(model, "cuda")
+    rows = batch["target"] == 3
+    args = batch["history"][rows], batch["nextgate"][rows], batch["nextgate_scores"][rows]
+    on_gpu = deployed.scores(args[0].cuda(), 3, args[1].cuda(), args[2].cuda())  # captured, then replayed
+    again = deployed.scores(args[0].cuda(), 3, args[1].cuda(), args[2].cuda()).clone()
+    with torch.no_grad():
+        expected = model(args[0], batch["target"][rows], args[1], args[2]).sigmoid()
+    torch.testing.assert_close(again.cpu(), expected, atol=1e-4, rtol=1e-4)
+    assert deployed.nextgate == meta.nextgate_width and on_gpu.shape == expected.shape

@@ -43,13 +43,17 @@ def save_shape(name: str, folder: str | Path, num_layers: int | None = None, **o
     return Path(folder)
 
 
-def random_predictor(L: int, E: int, k: int, widths: tuple[int, ...] = PAPER_WIDTHS) -> ExpertPredictor:
-    """A predictor of the given geometry with random weights and statistics (seeded): its cost, not its accuracy."""
+def random_predictor(L: int, E: int, k: int, widths: tuple[int, ...] = PAPER_WIDTHS,
+                     family: str = "paper") -> ExpertPredictor:
+    """A predictor of the given geometry and family with random weights and statistics (seeded): its cost, not its
+    accuracy. Hybrid and residual ones take 2k next-gate ids and scores."""
     torch.manual_seed(0)
     pop = torch.rand(L, E)
     aff = torch.rand(L - 1, E, E)
-    model = ExpertPredictor(FeatureSpec(L, E, k, L - 1), widths, 0.1, pop / pop.sum(1, keepdim=True),
-                            aff / aff.sum(2, keepdim=True))
+    spec = FeatureSpec(L, E, k, L - 1, family=family, nextgate_width=2 * k if family != "paper" else 0)
+    model = ExpertPredictor(spec, widths, 0.1, pop / pop.sum(1, keepdim=True), aff / aff.sum(2, keepdim=True))
+    if family == "residual":  # a trained correction is not zero
+        torch.nn.init.normal_(model.mlp[-1].weight, std=0.01)
     for m in model.mlp:
         if isinstance(m, torch.nn.BatchNorm1d):
             m.running_mean.uniform_(-0.1, 0.1)
