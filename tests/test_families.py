@@ -138,22 +138,21 @@ def test_residual_exports_to_onnx_with_its_next_gate_inputs(embedded_trace, tmp_
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
 @pytest.mark.parametrize("family", ["hybrid", "residual"])
-def test_next_gate_families_replay_as_cuda_graphs(family, embedded_trace):
+def test_next_gate_families_replay_as_cuda_graphs(family):
     from duoserve.predictor import TrainedPredictor
 
-    meta = embedded_trace.meta
-    _, batch = _examples(embedded_trace, rows=3)
-    spec = FeatureSpec(meta.num_layers, meta.num_experts, meta.top_k, 3, family=family,
-                       nextgate_width=meta.nextgate_width)
-    model = ExpertPredictor(spec, widths=(64, 32)).eval()
+    L, E, k, m, B = 8, 16, 4, 8, 3
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3, family=family, nextgate_width=m), widths=(64, 32)).eval()
     with torch.no_grad():
         model.mlp[-1].weight.normal_(std=0.1)
+    g = torch.Generator().manual_seed(0)
+    history = torch.rand(B, L, E, generator=g).argsort(-1)[..., :k]  # B x L x k
+    nextgate = torch.rand(B, E, generator=g).argsort(-1)[:, :m]  # B x m
+    scores = torch.rand(B, m, generator=g).sort(1, descending=True).values
     deployed = TrainedPredictor(model, "cuda")
-    rows = batch["target"] == 3
-    args = batch["history"][rows], batch["nextgate"][rows], batch["nextgate_scores"][rows]
-    on_gpu = deployed.scores(args[0].cuda(), 3, args[1].cuda(), args[2].cuda())  # captured, then replayed
-    again = deployed.scores(args[0].cuda(), 3, args[1].cuda(), args[2].cuda()).clone()
+    deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda())  # captured
+    replayed = deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda()).cpu()
     with torch.no_grad():
-        expected = model(args[0], batch["target"][rows], args[1], args[2]).sigmoid()
-    torch.testing.assert_close(again.cpu(), expected, atol=1e-4, rtol=1e-4)
-    assert deployed.nextgate == meta.nextgate_width and on_gpu.shape == expected.shape
+        expected = model(history, torch.full((B,), 3), nextgate, scores).sigmoid()
+    torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+    assert deployed.nextgate == m
