@@ -97,7 +97,10 @@ def info(path: Annotated[Path, typer.Argument(help="Trace folder or part file.")
     meta, summary = trace.meta, summarize_trace(trace)
     console.print(f"[bold]{path}[/]: model {meta.model}, {meta.num_layers} MoE layers "
                   f"(decoder {meta.decoder_indices[0]}..{meta.decoder_indices[-1]}), {meta.num_experts} experts, "
-                  f"top-{meta.top_k}, next-gate depth {meta.lookahead}, {len(trace.files)} part file(s)")
+                  f"top-{meta.top_k}, next-gate depth {meta.lookahead}"
+                  + (f" (top {meta.nextgate_width} ids{' and scores' if meta.nextgate_scores else ''})"
+                     if meta.lookahead else "")
+                  + f", format version {meta.version}, {len(trace.files)} part file(s)")
     tokens = table("requests and tokens", "dataset", "requests", "prefill tokens", "decode tokens")
     for name, n in sorted(summary.requests.items()):
         tokens.add_row(name, str(n), str(summary.tokens.get((name, "prefill"), 0)),
