@@ -100,7 +100,7 @@ def _linear_logits(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torc
 
 
 def _widen(logits: torch.Tensor, top: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """T x m ids (the router's top-k ``top`` first, then the best of the rest by logit) and their softmax
+    """T x m ids (the router's top-k ``top`` first, then the most probable of the rest) and their softmax
     probabilities over all E experts (float32)."""
     probs = logits.float().softmax(-1)  # T x E
     k = top.shape[-1]
@@ -111,10 +111,10 @@ def _widen(logits: torch.Tensor, top: torch.Tensor, width: int) -> tuple[torch.T
 
 
 @torch.no_grad()
-def next_gate_fn(router: nn.Module, k: int, width: int | None = None
-                 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+def next_gate_fn(router: nn.Module, k: int, width: int | None = None, scores: bool = True
+                 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
     """The cheapest exact way to get ``router``'s guess for T x H hidden states: T x m ids (``width`` m, default
-    k; its own top-k first) and their softmax probabilities (T x m).
+    k; its own top-k first) and, with ``scores``, their softmax probabilities (T x m); ``(ids,)`` without.
 
     Most routers pick the top-k of a monotonic function (softmax, sigmoid) of their linear logits;
     then the logits' top-k is the same set at a fraction of the launches, which is what keeps
@@ -134,10 +134,15 @@ def next_gate_fn(router: nn.Module, k: int, width: int | None = None
         except (RuntimeError, ValueError):
             same = False
         if same:
-            def linear_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            def linear_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
                 logits = _linear_logits(weight, bias, hidden)  # T x E
                 ids = logits.topk(m, dim=-1).indices  # T x m, best first: the router's top-k lead
-                return ids, logits.float().softmax(-1).gather(-1, ids)
+                return (ids, logits.float().softmax(-1).gather(-1, ids)) if scores else (ids,)
 
             return linear_guess
-    return lambda hidden: _widen(*_router_logits_and_top_k(router, hidden, k), m)
+
+    def own_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ids, probs = _widen(*_router_logits_and_top_k(router, hidden, k), m)
+        return (ids, probs) if scores else (ids,)
+
+    return own_guess

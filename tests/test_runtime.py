@@ -128,7 +128,8 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
 
 def _next_gate_run(embedded, predictor) -> dict:
     """Generate under duoserve with ``predictor``, checking that every call gets layer t's own router on layer t-1's
-    MoE input (recorded independently by a pre-hook): its ids, the router's top-k first, and their probabilities.
+    MoE input (recorded independently by a pre-hook): its ids, the router's top-k first, and their probabilities
+    where the predictor uses them (and no scores where it does not).
     Returns the engine's counters."""
     model, tokenizer = embedded
     reference = _generate(model, tokenizer)[0]
@@ -147,9 +148,10 @@ def _next_gate_run(embedded, predictor) -> dict:
             def spy(history, target, nextgate=None, nextgate_scores=None):
                 logits, _, routed = layers[target].router(inputs[target - 1])  # T x k: the router's own choice
                 probs = logits.float().softmax(-1).gather(1, nextgate)
+                scored = nextgate_scores is not None and torch.allclose(nextgate_scores, probs)
                 seen.append(nextgate.shape[1] == predictor.spec.width
                             and torch.equal(nextgate[:, :k].sort(1).values, routed.sort(1).values)
-                            and torch.allclose(nextgate_scores, probs))
+                            and (scored if predictor.spec.uses_scores else nextgate_scores is None))
                 return scores(history, target, nextgate, nextgate_scores)
 
             engine.prefetch.predictor.scores = spy

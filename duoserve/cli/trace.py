@@ -73,8 +73,8 @@ def collect(
         settings = CollectSettings(
             model=model, datasets=specs, out=out, fraction=None if count is not None else fraction, count=count,
             seed=seed, max_new_tokens=max_new_tokens, max_prompt_tokens=max_prompt_tokens, batch_size=batch_size,
-            lookahead=lookahead, nextgate_width=nextgate_width, device=device, dtype=dtype, revision=revision, rows_per_part=part_rows,
-            requests_per_part=part_requests, seconds_per_part=part_seconds)
+            lookahead=lookahead, nextgate_width=nextgate_width, device=device, dtype=dtype, revision=revision,
+            rows_per_part=part_rows, requests_per_part=part_requests, seconds_per_part=part_seconds)
         with progress("tracing") as update:
             result = run_collect(settings, lambda done, total: update(completed=done, total=total))
     g = result.geometry

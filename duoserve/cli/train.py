@@ -106,8 +106,8 @@ def fit_cmd(
     summary = table(f"validation ({result.val_examples} token-layer examples) -> {result.out}", "predictor",
                     "exact-top-k", "at-least-half", "recall")
     for name, m in result.metrics.items():
-        summary.add_row(name if name != "predictor" else f"[bold]trained MLP ({settings.family})[/]", f"{m['exact_topk']:.3f}",
-                        f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
+        label = name if name != "predictor" else f"[bold]trained MLP ({settings.family})[/]"
+        summary.add_row(label, f"{m['exact_topk']:.3f}", f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(summary)
     console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s"
                   + (" (resumed from a checkpoint: the seconds are this run's; the result is close to, not bit-exact "

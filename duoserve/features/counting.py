@@ -23,6 +23,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from duoserve.trace.info import expert_counts
+
 try:
     import numba
 except ImportError:  # an install without numba (e.g. --no-deps): numpy's bincount, several times slower
@@ -67,7 +69,8 @@ def _unsigned(ids: np.ndarray, num_experts: int) -> np.ndarray:
     the compiled loop indexes with them unchecked."""
     ids = np.ascontiguousarray(ids)
     if ids.dtype == np.int16:  # the trace's type: one pass, as a negative id reads as 32768 or more unsigned
-        unsigned, bad = ids.view(np.uint16), int(ids.view(np.uint16).max()) >= num_experts
+        unsigned = ids.view(np.uint16)
+        bad = int(unsigned.max()) >= num_experts
     else:
         bad = int(ids.min()) < 0 or int(ids.max()) >= num_experts
         unsigned = ids.astype(np.uint16) if not bad else ids
@@ -106,7 +109,7 @@ class RoutingCounter:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.tokens = 0
-        self._layer_counts = np.zeros((num_layers, num_experts), np.int64)  # only for L = 1 (no pairs)
+        self._single = np.zeros((1, num_experts), np.int64)  # L = 1: no pairs to derive popularity from
         if self.device.type == "cuda":
             self._cuda = _CudaPairs(num_layers, num_experts, top_k, self.device, chunk_rows)
         else:
@@ -129,8 +132,7 @@ class RoutingCounter:
             ids = _unsigned(ids, self.E)
         self.tokens += len(ids)
         if self.L == 1:
-            flat = ids.reshape(-1).long().cpu().numpy() if isinstance(ids, torch.Tensor) else ids.reshape(-1)
-            self._layer_counts[0] += np.bincount(flat.astype(np.int64), minlength=self.E)
+            self._single += expert_counts(ids.cpu().numpy() if isinstance(ids, torch.Tensor) else ids, self.E)
         elif self.device.type == "cuda":
             self._cuda.add(ids)
         elif self._backend == "numba":
@@ -141,7 +143,7 @@ class RoutingCounter:
     def counts(self) -> tuple[np.ndarray, np.ndarray]:
         """Popularity (L x E) and affinity ((L-1) x E x E) int64 counts so far."""
         if self.L == 1:
-            return self._layer_counts.copy(), np.zeros((0, self.E, self.E), np.int64)
+            return self._single.copy(), np.zeros((0, self.E, self.E), np.int64)
         pairs = self._cuda.result() if self.device.type == "cuda" else self._pairs.copy()
         pairs = pairs.reshape(self.L - 1, self.E, self.E)
         return popularity_from_pairs(pairs, self.k), pairs

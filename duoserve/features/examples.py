@@ -60,6 +60,7 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
         if not _same_geometry(meta, t.meta):
             raise ValueError(f"{t.path} has geometry L={t.meta.num_layers}, E={t.meta.num_experts}, "
                              f"k={t.meta.top_k}, unlike {traces[0].path}")
+    L = meta.num_layers
     with_ng = all(t.meta.lookahead >= 1 for t in traces)
     # one width for all: the narrowest folder's (a version-1 trace keeps k); scores only where every folder has them
     m = min(t.meta.nextgate_width for t in traces) if with_ng else 0
@@ -72,14 +73,10 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
     if n == 0:
         raise ValueError(f"no trace rows match phase={phase or 'any'}, datasets={list(datasets or []) or 'any'}")
 
-    def fixed(name: str, width: int, keep: int | None = None) -> np.ndarray:
-        """N x layers x ``keep`` of a fixed-size list column holding ``width`` values per layer in each folder."""
-        parts = [t.column(name).combine_chunks().flatten().to_numpy().reshape(t.num_rows, -1, w)[..., :keep]
-                 for t, w in zip(tables, width)]
-        return np.concatenate(parts)
-
-    def widths(per_trace) -> list[int]:
-        return [per_trace(t.meta) for t in traces]
+    def fixed(name: str, layers: int, keep: int | None = None) -> np.ndarray:
+        """N x layers x ``keep`` (default: all) of a fixed-size list column; each folder's own width per layer."""
+        return np.concatenate([t.column(name).combine_chunks().flatten().to_numpy().reshape(t.num_rows, layers, -1)
+                               [..., :keep] for t in tables])
 
     keys = list(zip(np.concatenate([t.column("dataset").to_numpy(zero_copy_only=False) for t in tables]),
                     np.concatenate([t.column("request_id").to_numpy() for t in tables]).tolist()))
@@ -87,10 +84,9 @@ def load_routing(traces: Sequence[Trace], phase: str | None = None,
     index = {key: i for i, key in enumerate(requests)}
     return RoutingTable(
         meta=meta,
-        ids=fixed("experts", widths(lambda g: g.top_k)).astype(np.int16),
-        nextgate=fixed("nextgate", widths(lambda g: g.nextgate_width), m).astype(np.int16) if with_ng else None,
-        nextgate_scores=fixed("nextgate_scores", widths(lambda g: g.nextgate_width), m).astype(np.float32)
-        if with_scores else None,
+        ids=fixed("experts", L).astype(np.int16),
+        nextgate=fixed("nextgate", L - 1, m).astype(np.int16) if with_ng else None,
+        nextgate_scores=fixed("nextgate_scores", L - 1, m).astype(np.float32) if with_scores else None,
         request=np.array([index[key] for key in keys], dtype=np.int64),
         requests=[(str(d), int(r)) for d, r in requests],
         decode=np.concatenate([t.column("phase").to_numpy(zero_copy_only=False) for t in tables]) == "decode",

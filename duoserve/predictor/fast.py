@@ -157,6 +157,11 @@ class TrainedPredictor:
         spec = self.predictor.spec
         return spec.width if spec.uses_nextgate else 0
 
+    @property
+    def nextgate_scores(self) -> bool:
+        """Whether it takes the next-gate's scores beside its ids (hybrid, residual)."""
+        return self.predictor.spec.uses_scores
+
     @torch.no_grad()
     def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:

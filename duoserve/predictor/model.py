@@ -131,16 +131,19 @@ class ExpertPredictor(nn.Module):
         if nextgate_scores is None:
             raise ValueError(f"a {self.spec.family} predictor needs the next-gate's scores (traces of format "
                              "version 2 recorded with --lookahead >= 1)")
-        zeros = torch.zeros(len(nextgate), self.spec.num_experts, device=nextgate.device)
-        return zeros.scatter_(1, nextgate.long(), nextgate_scores.float())
+        return self._at_ids(nextgate, nextgate_scores.float(), 0.0)
+
+    def _at_ids(self, nextgate: torch.Tensor, values: torch.Tensor, fill: float) -> torch.Tensor:
+        """B x E: ``values`` (B x m) at the next-gate's ids, ``fill`` elsewhere."""
+        out = torch.full((len(nextgate), self.spec.num_experts), fill, device=nextgate.device)
+        return out.scatter_(1, nextgate.long(), values)
 
     def nextgate_logits(self, nextgate: torch.Tensor, nextgate_scores: torch.Tensor) -> torch.Tensor:
         """B x E: the residual family's starting point, the next-gate's log-probabilities (a floor where it kept
         no score), less a hair per position so equal scores keep the next-gate's order."""
         position = torch.arange(nextgate.shape[1], device=nextgate.device) * TIE_BREAK  # m
         ranked = nextgate_scores.float().clamp_min(LOG_FLOOR).log() - position  # B x m
-        floor = torch.full((len(nextgate), self.spec.num_experts), math.log(LOG_FLOOR) - 1.0, device=nextgate.device)
-        return floor.scatter_(1, nextgate.long(), ranked)
+        return self._at_ids(nextgate, ranked, math.log(LOG_FLOOR) - 1.0)
 
     def head(self, correction: torch.Tensor, nextgate: torch.Tensor | None,
              nextgate_scores: torch.Tensor | None) -> torch.Tensor:

@@ -104,13 +104,14 @@ class OffloadEngine(ExpertsPlugin):
     def _prefetch_plan(self, predictor) -> DecodePrefetch:
         if isinstance(predictor, ExpertPredictor):
             predictor = TrainedPredictor(predictor, self.device)
-        next_gate = None  # per target layer t >= 1: its router's top-m ids and scores on layer t-1's MoE input
+        next_gate = None  # per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input
         width = getattr(predictor, "nextgate", 0)
         if width:
             if any(layer.router is None for layer in self.layers[1:]):
                 raise ValueError("this predictor uses next-gate features, but not every MoE layer's router was found "
                                  "(a `gate` or `router` sibling of its experts module)")
-            next_gate = [None] + [next_gate_fn(layer.router, self.k, width) for layer in self.layers[1:]]
+            scores = getattr(predictor, "nextgate_scores", False)  # no softmax in the decode step for ids alone
+            next_gate = [None] + [next_gate_fn(layer.router, self.k, width, scores) for layer in self.layers[1:]]
         return DecodePrefetch(predictor, self.cache, self.stores, self.streams, self.timers, (self.L, self.E, self.k),
                               self.settings.lookahead, self.settings.prefetch_min_score, next_gate)
 

@@ -32,7 +32,7 @@ class DecodePrefetch:
     def __init__(self, predictor: LayerPredictor | HostPredictor, cache: ExpertCache, stores: list[HostExperts],
                  streams: Streams, timers: EngineTimers, geometry: tuple[int, int, int], lookahead: int,
                  min_score: float,
-                 next_gate: list[Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None] | None):
+                 next_gate: list[Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None] | None):
         self.predictor, self.cache, self.stores, self.streams, self.timers = predictor, cache, stores, streams, timers
         self.L, self.E, self.k = geometry
         self.lookahead, self.min_score, self.next_gate = lookahead, min_score, next_gate

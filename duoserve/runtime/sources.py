@@ -26,11 +26,12 @@ class RoutingSource(Protocol):
 
 class LayerPredictor(Protocol):
     """Scores layer ``target``'s experts for each sequence of a decode step, on the device, from the B x L x k
-    routing history (and the next-gate's B x m ids and their scores for ``target``, if it uses them: ``nextgate``
-    says how many ids, 0 for none)."""
+    routing history (and the next-gate's B x m ids for ``target``, if it uses them: ``nextgate`` says how many, 0
+    for none; and their scores, if ``nextgate_scores``)."""
 
     on_host = False
     nextgate: int
+    nextgate_scores: bool
 
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E
