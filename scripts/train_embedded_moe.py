@@ -40,11 +40,11 @@ def training_texts() -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: list[str], vocab: int = VOCAB) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=[EOS, PAD],
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[EOS, PAD],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, bos_token=EOS, pad_token=PAD,
@@ -62,16 +62,55 @@ def model_config(tokenizer: PreTrainedTokenizerFast) -> Qwen3MoeConfig:
     )
 
 
-def packed_batches(texts: list[str], tokenizer: PreTrainedTokenizerFast, generator: torch.Generator):
+def packed_batches(texts: list[str], tokenizer: PreTrainedTokenizerFast, generator: torch.Generator,
+                   seq: int = SEQ, batch: int = BATCH):
+    """Endless batch x seq blocks of the texts' tokens (each text ends in EOS), in seeded random order."""
     ids = []
-    for t in texts:
-        ids += tokenizer(t)["input_ids"] + [tokenizer.eos_token_id]
+    for encoded in tokenizer(texts)["input_ids"]:
+        ids += encoded + [tokenizer.eos_token_id]
     stream = torch.tensor(ids)
-    blocks = stream[: len(stream) // SEQ * SEQ].view(-1, SEQ)  # N blocks x SEQ tokens
+    blocks = stream[: len(stream) // seq * seq].view(-1, seq)  # N blocks x seq tokens
     while True:
-        for chunk in torch.randperm(len(blocks), generator=generator).split(BATCH):
-            if len(chunk) == BATCH:
+        for chunk in torch.randperm(len(blocks), generator=generator).split(batch):
+            if len(chunk) == batch:
                 yield blocks[chunk]
+
+
+def train(model: torch.nn.Module, batches, steps: int, lr: float, warmup: int, start: float,
+          max_seconds: float | None = None) -> tuple[float, int]:
+    """AdamW with warm-up and cosine decay on the LM loss plus the router's load-balancing loss, on the model's
+    device; stops early once ``max_seconds`` since ``start`` have passed. Returns the last loss and steps done."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
+    model.train()
+    for step in range(steps):
+        x = next(batches).to(model.device)
+        out = model(input_ids=x, labels=x, output_router_logits=True)
+        opt.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        late = max_seconds is not None and time.time() - start > max_seconds
+        if step % 50 == 0 or step == steps - 1 or late:
+            print(f"step {step:5d}  loss {out.loss.item():.3f}  aux {out.aux_loss.item():.3f}  "
+                  f"{time.time() - start:.0f}s", flush=True)
+        if late:
+            print(f"stopped after {step + 1} of {steps} steps: the {max_seconds:.0f} s budget is spent", flush=True)
+            break
+    model.eval()
+    return out.loss.item(), step + 1
+
+
+def save(model: torch.nn.Module, tokenizer: PreTrainedTokenizerFast, out: Path, record: dict) -> None:
+    """The model (with a greedy generation config), its tokenizer, and ``record`` as training.json."""
+    out.mkdir(parents=True, exist_ok=True)
+    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
 
 
 def main(out: Path, steps: int) -> None:
@@ -87,35 +126,13 @@ def main(out: Path, steps: int) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     print(f"tokenizer {len(tokenizer)} tokens; model {n_params / 1e6:.2f}M parameters")
 
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / WARMUP) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
     batches = packed_batches(texts, tokenizer, torch.Generator().manual_seed(SEED))
-    model.train()
-    for step in range(steps):
-        x = next(batches)
-        out_ = model(input_ids=x, labels=x, output_router_logits=True)
-        opt.zero_grad(set_to_none=True)
-        out_.loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if step % 50 == 0 or step == steps - 1:
-            print(f"step {step:5d}  loss {out_.loss.item():.3f}  aux {out_.aux_loss.item():.3f}  "
-                  f"{time.time() - start:.0f}s", flush=True)
-
-    model.eval()
-    out.mkdir(parents=True, exist_ok=True)
-    model.generation_config = GenerationConfig(eos_token_id=tokenizer.eos_token_id,
-                                               pad_token_id=tokenizer.pad_token_id, do_sample=False)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    (out / "training.json").write_text(json.dumps({
+    final_loss, _ = train(model, batches, steps, LR, WARMUP, start)
+    save(model, tokenizer, out, {
         "script": "scripts/train_embedded_moe.py", "steps": steps, "seq": SEQ, "batch": BATCH, "lr": LR,
         "rows_per_task": ROWS_PER_TASK, "data_seed": DATA_SEED, "seed": SEED, "torch": torch.__version__,
-        "threads": torch.get_num_threads(), "seconds": round(time.time() - start),
-        "final_loss": round(out_.loss.item(), 4),
-    }, indent=2) + "\n")
+        "threads": torch.get_num_threads(), "seconds": round(time.time() - start), "final_loss": round(final_loss, 4),
+    })
     print(f"saved to {out} in {time.time() - start:.0f}s")
 
 
