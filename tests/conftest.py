@@ -110,14 +110,15 @@ def write_trace(out: Path, ids, request_ids, datasets=None, phases=None, lookahe
 
 @pytest.fixture(scope="session")
 def embedded_trace(tmp_path_factory):
-    """The README's default trace of the embedded model (2.5% of each built-in sample), 16 decode steps."""
+    """The README's default trace of the embedded model (2.5% of each built-in sample), 16 decode steps, with next-gate
+    guesses 2 layers deep (the default records 1)."""
     from duoserve.data.tasks import parse_datasets
     from duoserve.trace import open_trace
     from duoserve.trace.collect import CollectSettings, collect
 
     out = tmp_path_factory.mktemp("embedded") / "traces"
     collect(CollectSettings(datasets=parse_datasets(["squad-sample", "orca-math-sample"]), out=out,
-                            max_new_tokens=16, device="cpu"))
+                            max_new_tokens=16, lookahead=2, device="cpu"))
     return open_trace(out)
 
 

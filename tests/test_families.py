@@ -33,8 +33,8 @@ def test_version_2_traces_carry_next_gate_ids_and_probabilities(embedded_trace):
     assert meta.version == 2 and meta.nextgate_width == 2 * meta.top_k and meta.nextgate_scores
     table, _ = _examples(embedded_trace)
     L, k, m = meta.num_layers, meta.top_k, meta.nextgate_width
-    assert table.nextgate.shape == table.nextgate_scores.shape == (len(table), L - 1, m)
-    scores = table.nextgate_scores
+    assert table.nextgate[1].shape == table.nextgate_scores[1].shape == (len(table), L - 1, m)
+    scores = table.nextgate_scores[1].astype(np.float32)
     assert (scores > 0).all() and (scores <= 1).all() and (scores.sum(2) <= 1.01).all()
     # past the router's own top-k, the rest come best first
     assert (np.diff(scores[..., k:], axis=2) <= 1e-3).all()
@@ -106,11 +106,11 @@ def test_version_1_traces_still_load_and_train_what_they_can(embedded_trace, tmp
     assert old.meta.version == 1 and old.meta.nextgate_width == old.meta.top_k and not old.meta.nextgate_scores
     table = load_routing([old])
     new = load_routing([embedded_trace])
-    assert table.nextgate_scores is None
-    np.testing.assert_array_equal(table.nextgate, new.nextgate[..., :old.meta.top_k])
+    assert table.nextgate_scores == {}
+    np.testing.assert_array_equal(table.nextgate[1], new.nextgate[1][..., :old.meta.top_k])
     np.testing.assert_array_equal(table.ids, new.ids)
     both = load_routing([old, embedded_trace])  # mixed versions: the common width, no scores
-    assert both.nextgate.shape[2] == old.meta.top_k and both.nextgate_scores is None
+    assert both.nextgate[1].shape[2] == old.meta.top_k and both.nextgate_scores == {}
     fit(FitSettings(traces=[old.path], out=tmp_path / "paper", features=("popularity", "nextgate"), **SMALL))
     with pytest.raises(ValueError, match="needs the next-gate's scores: traces of format version 2"):
         fit(FitSettings(traces=[old.path], out=tmp_path / "hybrid", family="hybrid", **SMALL))

@@ -126,33 +126,35 @@ def test_trained_predictor_prefetches_without_changing_outputs(embedded):
     assert some["prefetch_precision"] is not None and none["prefetch_precision"] is None
 
 
-def _next_gate_run(embedded, predictor) -> dict:
-    """Generate under duoserve with ``predictor``, checking that every call gets layer t's own router on layer t-1's
-    MoE input (recorded independently by a pre-hook): its ids, the router's top-k first, and their probabilities
-    where the predictor uses them (and no scores where it does not).
-    Returns the engine's counters."""
+def _next_gate_run(embedded, predictor, lookahead: int = 1) -> dict:
+    """Generate under duoserve with ``predictor`` ``lookahead`` layers ahead, checking that every call gets layer t's
+    own router on the MoE input of layer t - d, d its depth (recorded independently by a pre-hook): its ids, the
+    router's top-k first, and their probabilities where the predictor uses them (and no scores where it does not);
+    and that a step asks for layers 1..d at layer 0, then l + d at layer l. Returns the engine's counters."""
     model, tokenizer = embedded
     reference = _generate(model, tokenizer)[0]
     layers = find_moe_layers(model)
     L, k = len(layers), model.config.num_experts_per_tok
-    inputs, seen = {}, []
+    inputs, seen, asked = {}, [], []
     hooks = [layer.experts.register_forward_pre_hook(
         lambda m, args, kwargs, l=l: inputs.__setitem__(l, args[0] if args else kwargs["hidden_states"]),
         with_kwargs=True) for l, layer in enumerate(layers)]
     policy = POLICIES["duoserve"]
     stores = offload(model, policy, "cpu")
     try:
-        with OffloadEngine(model, stores, policy, predictor=predictor) as engine:
+        with OffloadEngine(model, stores, policy, predictor=predictor,
+                           settings=EngineSettings(lookahead=lookahead)) as engine:
             scores = engine.prefetch.predictor.scores
 
-            def spy(history, target, nextgate=None, nextgate_scores=None):
-                logits, _, routed = layers[target].router(inputs[target - 1])  # T x k: the router's own choice
+            def spy(history, target, nextgate=None, nextgate_scores=None, depth=1):
+                asked.append((target, depth))
+                logits, _, routed = layers[target].router(inputs[target - depth])  # T x k: the router's own choice
                 probs = logits.float().softmax(-1).gather(1, nextgate)
                 scored = nextgate_scores is not None and torch.allclose(nextgate_scores, probs)
                 seen.append(nextgate.shape[1] == predictor.spec.width
                             and torch.equal(nextgate[:, :k].sort(1).values, routed.sort(1).values)
                             and (scored if predictor.spec.uses_scores else nextgate_scores is None))
-                return scores(history, target, nextgate, nextgate_scores)
+                return scores(history, target, nextgate, nextgate_scores, depth)
 
             engine.prefetch.predictor.scores = spy
             tokens = _generate(model, tokenizer)[0]
@@ -163,6 +165,8 @@ def _next_gate_run(embedded, predictor) -> dict:
         put_experts(layers, stores, "cpu")
     assert torch.equal(tokens, reference)
     assert len(seen) == 11 * (L - 1) and all(seen)  # every decode step (12 new tokens: 11 steps), layers 1..L-1
+    step = [(t, t) for t in range(1, lookahead + 1)] + [(l + lookahead, lookahead) for l in range(1, L - lookahead)]
+    assert asked == step * 11
     assert stats["prefetched"] > 0 and stats["hit_rate"]["decode"] > 0
     return stats
 
@@ -184,6 +188,18 @@ def test_next_gate_predictors_are_fed_the_next_router_on_this_layers_input(embed
     counters = ("bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision")
     assert ({c: _next_gate_run(embedded, paper)[c] for c in counters}
             == {c: _next_gate_run(embedded, residual)[c] for c in counters})  # the same guesses, the same copies
+
+
+@pytest.mark.parametrize("depth", [2, 3])
+def test_lookahead_heads_prefetch_d_layers_ahead_without_changing_outputs(embedded, depth):
+    model, _ = embedded
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    # untrained residual heads (zero correction): next-gate d layers ahead, so the copies are worth something
+    residual = ExpertPredictor(FeatureSpec(L, E, k, window=2, family="residual", nextgate_width=2 * k,
+                                           lookahead=depth), widths=(16,)).eval()
+    stats = _next_gate_run(embedded, residual, lookahead=depth)
+    assert stats["prefetch_precision"] > 0.3, stats
 
 
 def _oracle_decode(embedded, recall: float, new_tokens: int, on_engine=None,
@@ -432,7 +448,8 @@ def test_wrong_predictor_lookahead_or_budget_is_refused(embedded):
         wrong = ExpertPredictor(FeatureSpec(4, 16, 4, window=2), widths=(8,))
         with pytest.raises(ValueError, match="does not match"):
             OffloadEngine(model, stores, policy, predictor=wrong)
-        with pytest.raises(ValueError, match="needs look-ahead 1"):
+        with pytest.raises(ValueError, match="look-ahead 2 needs a predictor with heads that deep; this one has "
+                                             "depth 1"):
             OffloadEngine(model, stores, policy, predictor=_random_predictor(model), settings=EngineSettings(lookahead=2))
         with pytest.raises(ValueError, match="look-ahead must be in 1"):
             OffloadEngine(model, stores, policy, settings=EngineSettings(lookahead=len(stores)))
@@ -550,6 +567,31 @@ def test_offload_on_cuda_matches_all_resident(embedded):
         for name, (tokens, stats) in results.items():
             assert torch.equal(tokens, reference), name
         assert results["duoserve"][1]["prefetched"] > 0
+    finally:
+        model.cpu()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="offloading to a GPU needs a CUDA device")
+def test_lookahead_heads_on_cuda_generate_what_the_model_does(embedded):
+    model, tokenizer = embedded
+    layers = find_moe_layers(model)
+    L, E, k = len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok
+    heads = ExpertPredictor(FeatureSpec(L, E, k, window=2, family="residual", nextgate_width=2 * k, lookahead=2),
+                            widths=(16,)).eval()  # next-gate two layers ahead, through the CUDA-graphed predictor
+    model.to("cuda")
+    try:
+        reference = _generate(model, tokenizer, "cuda")[0]
+        policy = POLICIES["duoserve"]
+        stores = offload(model.cpu(), policy, "cuda")
+        try:
+            with OffloadEngine(model, stores, policy, predictor=heads, settings=EngineSettings(lookahead=2)) as engine:
+                tokens = _generate(model, tokenizer, "cuda")[0]
+                stats = engine.stats()
+        finally:
+            put_experts(layers, stores, "cpu")
+        assert torch.equal(tokens, reference)
+        assert stats["prefetched"] > 0 and stats["prefetch_precision"] > 0.3, stats
     finally:
         model.cpu()
 

@@ -39,6 +39,10 @@ def accuracy(
     baseline: Annotated[Optional[list[str]], typer.Option(
         help=f"Baselines to include (repeatable). [default: all: {', '.join(BASELINES)}]")] = None,
     extra_budget: Annotated[str, typer.Option(help="Extra experts fetched beyond k, comma-separated.")] = "1,2",
+    depth: Annotated[Optional[int], typer.Option(
+        min=1, help="Also score look-ahead depths 2..D (layer l+d predicted when layer l runs): the predictor's "
+                    "heads up to its own depth, and popularity, affinity-Markov and next-gate (as deep as the trace "
+                    "recorded it). [default: the predictor's depth]")] = None,
     cross_task: Annotated[bool, typer.Option(help="Also fit per dataset and test on the others.")] = False,
     learning_curve: Annotated[Optional[str], typer.Option(
         help="Also fit on these shares of the training requests, e.g. 0.1,0.25,0.5,1.")] = None,
@@ -62,7 +66,7 @@ def accuracy(
         fractions = [float(f) for f in learning_curve.split(",")] if learning_curve else None
         with progress("evaluating") as update:
             say = lambda text: update(description=text)  # noqa: E731
-            report = evaluate_accuracy(traces, predictor, train_traces, baseline or BASELINES, budgets, say)
+            report = evaluate_accuracy(traces, predictor, train_traces, baseline or BASELINES, budgets, say, depth)
             extra = add_studies(report, traces, fits_dir or Path(scratch), fit_epochs, cross_task, fractions, say)
             if extra:
                 report.info["fits"] = str(fits_dir) if fits_dir else "discarded (--fits-dir keeps them)"

@@ -72,6 +72,10 @@ def fit_cmd(
         help="paper: the DuoServe-MoE MLP (history + statistics); hybrid: its features plus the next-gate's "
              "scores; residual: the next-gate's log-probabilities plus a learned correction. hybrid and residual "
              "need traces recorded with --lookahead >= 1.")] = FIT.family,
+    lookahead: Annotated[int, typer.Option(
+        min=1, help="Heads for look-ahead depths 1..D: predict layer l+d's experts when layer l runs (the runtime's "
+                    "--lookahead d needs D >= d). Next-gate features at depth d need traces recorded with "
+                    "--lookahead >= D.")] = FIT.lookahead,
     epochs: Annotated[int, typer.Option(min=1, help="Maximum epochs (early stopping on validation exact-top-k).")]
     = FIT.epochs,
     patience: Annotated[int, typer.Option(help="Epochs without improvement before stopping.")] = FIT.patience,
@@ -96,7 +100,8 @@ def fit_cmd(
         settings = FitSettings(
             traces=traces, out=out, phase=phase_filter(phase), val_fraction=val_fraction, seed=seed, window=window,
             widths=int_list(widths, "--widths"),
-            features=tuple(feature) if feature else FIT.features, family=family, epochs=epochs, patience=patience,
+            features=tuple(feature) if feature else FIT.features, family=family, lookahead=lookahead, epochs=epochs,
+            patience=patience,
             batch_size=batch_size, lr=lr, accelerator=accelerator,
             devices=int(devices) if devices.isdigit() else devices, strategy=strategy, num_nodes=num_nodes,
             clean=clean, verbose=verbose)

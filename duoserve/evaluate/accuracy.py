@@ -1,9 +1,11 @@
 """Accuracy of a trained predictor and every baseline on the requests it was not trained on.
 
-Shape legend: M examples (token, target layer), B a chunk, E experts, k top-k, nb budgets.
+Shape legend: M examples (token, target layer, depth), B a chunk, E experts, k top-k, nb budgets.
 
 Metrics per scorer, overall and per phase, dataset and layer: exact-top-k, at-least-half and
-recall@k, plus recall and precision when b = k + m experts are fetched.
+recall@k, plus recall and precision when b = k + m experts are fetched. Every baseline is scored
+one layer ahead (depth 1); the predictor's deeper heads, and the baselines that can look further
+(popularity, affinity-Markov, next-gate where the trace recorded it, the oracle), at depths 2..D too.
 """
 
 from __future__ import annotations
@@ -26,18 +28,28 @@ from duoserve.predictor.artifact import load_predictor, trained_requests
 from duoserve.trace.format import open_trace
 
 BASELINES = ("popularity", "affinity", "activation-matrix", "next-gate", "previous-token", "logistic", "oracle")
+DEEP_SCORERS = ("trained MLP", "popularity", "affinity-Markov", "next-gate", "oracle")  # scored at depths > 1 too
 
 
 @dataclass
 class AccuracyReport:
-    table: pd.DataFrame  # one row per (scorer, phase, dataset, layer) group; "all" where aggregated
+    table: pd.DataFrame  # one row per (scorer, depth, phase, dataset, layer) group; "all" where aggregated
     budgets: list[int]
     info: dict = field(default_factory=dict)
     stats: RoutingStats | None = None  # the baselines' statistics (not saved in report.json)
 
-    def overall(self, phase: str = "decode") -> pd.DataFrame:
+    def at_depth(self, depth: int = 1) -> pd.DataFrame:
+        """The rows of one look-ahead depth (a report without depths is depth 1)."""
         t = self.table
+        return t[t.depth == depth] if "depth" in t else t
+
+    def overall(self, phase: str = "decode", depth: int = 1) -> pd.DataFrame:
+        t = self.at_depth(depth)
         return t[(t.phase == phase) & (t.dataset == "all") & (t.layer == "all")].set_index("scorer")
+
+    @property
+    def depths(self) -> list[int]:
+        return sorted(self.table.depth.unique().tolist()) if "depth" in self.table else [1]
 
     def to_json(self) -> dict:
         return {"info": self.info, "budgets": self.budgets, "rows": self.table.to_dict("records")}
@@ -56,8 +68,8 @@ def hits_at_budgets(scorer: S.Scorer, ev: S.EvalSet, budgets: Sequence[int], chu
     return out
 
 
-def metrics_table(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[int]) -> pd.DataFrame:
-    """Group metrics: overall, per phase, per dataset and per layer."""
+def metrics_table(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[int], depth: int = 1) -> pd.DataFrame:
+    """Group metrics at one look-ahead depth: overall, per phase, per dataset and per layer."""
     k = ev.k
     tokens = ev.examples.token
     labels = pd.DataFrame({
@@ -82,7 +94,7 @@ def metrics_table(hits: dict[str, np.ndarray], ev: S.EvalSet, budgets: Sequence[
             groups += [(d, "all", g) for d, g in phase_df.groupby("dataset")]
             groups += [("all", str(l), g) for l, g in phase_df.groupby("layer")]
             for dataset, layer, g in groups:
-                rows.append({"scorer": name, "phase": phase, "dataset": dataset, "layer": layer,
+                rows.append({"scorer": name, "depth": depth, "phase": phase, "dataset": dataset, "layer": layer,
                              "examples": len(g), **g[metrics].mean().to_dict()})
     return pd.DataFrame(rows)
 
@@ -99,8 +111,9 @@ def _train_traces(predictor_config: dict, train_traces: Sequence[Path] | None) -
 
 def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces: Sequence[Path] | None = None,
                       baselines: Sequence[str] = BASELINES, extra_budgets: Sequence[int] = (1, 2),
-                      progress: Callable[[str], None] | None = None) -> AccuracyReport:
-    """Score the predictor and the baselines on every (token, layer) of the requests it was not trained on."""
+                      progress: Callable[[str], None] | None = None, max_depth: int | None = None) -> AccuracyReport:
+    """Score the predictor and the baselines on every (token, layer) of the requests it was not trained on, at
+    look-ahead depths 1..``max_depth`` (default: the predictor's own)."""
     unknown = set(baselines) - set(BASELINES)
     if unknown:
         raise ValueError(f"unknown baseline(s) {sorted(unknown)}; choose from {', '.join(BASELINES)}")
@@ -109,16 +122,20 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
     meta = opened[0].meta
     predictor.check_geometry(meta.num_layers, meta.num_experts, meta.top_k, "trace")
     trained = trained_requests(predictor_path)
+    max_depth = max_depth or predictor.spec.lookahead
+    if not 1 <= max_depth <= meta.num_layers - 1:
+        raise ValueError(f"look-ahead depth must be in 1..{meta.num_layers - 1}, got {max_depth}")
 
-    table = load_routing(opened)
+    table = load_routing(opened, lookahead=max_depth)
     unseen = np.array([table.requests[r] not in trained for r in table.request])
     if not unseen.any():
         raise ValueError(f"the predictor was trained on every request in {[str(t) for t in traces]}: "
                          "evaluate it on other requests")
     ev_table = table.select(np.flatnonzero(unseen))
-    if predictor.spec.uses_nextgate and ev_table.nextgate is None:
-        raise ValueError("the predictor uses next-gate features but the traces have no nextgate column")
-    if predictor.spec.uses_scores and ev_table.nextgate_scores is None:
+    if predictor.spec.uses_nextgate and ev_table.nextgate_depth < predictor.spec.lookahead:
+        raise ValueError(f"the predictor uses next-gate features {predictor.spec.lookahead} layer(s) ahead but the "
+                         f"traces recorded {ev_table.nextgate_depth}")
+    if predictor.spec.uses_scores and len(ev_table.nextgate_scores) < predictor.spec.lookahead:
         raise ValueError(f"the {predictor.spec.family} predictor needs the next-gate's scores: traces of format "
                          "version 2")
     ev = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers))
@@ -138,7 +155,7 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         "popularity": lambda: S.Popularity(popularity),
         "affinity": lambda: S.AffinityMarkov(affinity),
         "activation-matrix": lambda: S.ActivationMatrix(train_table, ev),
-        "next-gate": lambda: S.NextGate() if ev_table.nextgate is not None else None,
+        "next-gate": lambda: S.NextGate() if ev_table.nextgate else None,
         "previous-token": lambda: S.PreviousToken(ev_table, popularity),
         "logistic": lambda: S.LogisticBaseline(
             predictor.spec, popularity, affinity,
@@ -156,16 +173,25 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
         if progress:
             progress(f"scoring {scorer.name}")
         hits[scorer.name] = hits_at_budgets(scorer, ev, budgets)
+    tables = [metrics_table(hits, ev, budgets)]
+    for d in range(2, max_depth + 1):
+        deep = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers, (d,)))
+        usable = [s for s in scorers if s.name in DEEP_SCORERS and not (
+            s.name == "trained MLP" and d > predictor.spec.lookahead) and not (
+            s.name == "next-gate" and d > ev_table.nextgate_depth)]
+        if progress:
+            progress(f"scoring {len(usable)} scorers {d} layers ahead")
+        tables.append(metrics_table({s.name: hits_at_budgets(s, deep, budgets) for s in usable}, deep, budgets, d))
     info = {
         "predictor": str(predictor_path), "predictor_config": predictor.config,
         "traces": [str(t) for t in traces], "train_traces": [str(p) for p in train_paths],
         "geometry": {"num_layers": meta.num_layers, "num_experts": meta.num_experts, "top_k": k},
         "evaluated_requests": int(len(np.unique(ev_table.request))),
         "skipped_trained_requests": int(len(np.unique(table.request[~unseen]))),
-        "evaluated_tokens": len(ev_table), "examples": len(ev),
+        "evaluated_tokens": len(ev_table), "examples": len(ev), "depths": max_depth,
         "scorers": {s.name: s.description for s in scorers},
     }
-    return AccuracyReport(metrics_table(hits, ev, budgets), budgets, info, stats)
+    return AccuracyReport(pd.concat(tables, ignore_index=True), budgets, info, stats)
 
 
 def save_json(report: AccuracyReport, path: Path) -> None:

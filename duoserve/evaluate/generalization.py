@@ -40,8 +40,8 @@ def cross_task(traces: Sequence[Path], work: Path, base: FitSettings,
         t = report.table
         t = t[(t.phase == "decode") & (t.layer == "all") & (t.dataset != "all")]
         for _, r in t.iterrows():
-            rows.append({"train": train_on, "test": r.dataset, "scorer": r.scorer, "exact_topk": r.exact_topk,
-                         "at_least_half": r.at_least_half, "recall": r.recall})
+            rows.append({"train": train_on, "test": r.dataset, "scorer": r.scorer, "depth": r.depth,
+                         "exact_topk": r.exact_topk, "at_least_half": r.at_least_half, "recall": r.recall})
     return pd.DataFrame(rows)
 
 
@@ -69,14 +69,17 @@ def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_
     config = report.info["predictor_config"]
     spec = config["feature_spec"]
     base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
-                       features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"), progress=False)
+                       features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"),
+                       lookahead=spec.get("lookahead", 1), progress=False)
     extra = ""
     if cross:
         ct = cross_task(traces, work, base, progress)
         report.info["cross_task"] = ct.to_dict("records")
-        pivot = ct.pivot_table(index=["scorer", "train"], columns="test", values="exact_topk")
-        pivot.index = [f"{s} / trained on {t}" for s, t in pivot.index]
-        extra += "## Cross-task (decode, exact-top-k)\n\n" + markdown_table(pivot, "scorer / train") + "\n\n"
+        for depth, at in ct.groupby("depth"):
+            pivot = at.pivot_table(index=["scorer", "train"], columns="test", values="exact_topk")
+            pivot.index = [f"{s} / trained on {t}" for s, t in pivot.index]
+            extra += (f"## Cross-task (decode, exact-top-k{f', {depth} layers ahead' if depth > 1 else ''})\n\n"
+                      + markdown_table(pivot, "scorer / train") + "\n\n")
     if fractions:
         lc = learning_curve(traces, work, base, fractions, progress)
         report.info["learning_curve"] = lc.to_dict("records")

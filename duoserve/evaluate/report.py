@@ -24,8 +24,8 @@ def markdown_table(df: pd.DataFrame, index_name: str) -> str:
     return "\n".join(lines)
 
 
-def per_layer(report: AccuracyReport, phase: str, metric: str) -> pd.DataFrame:
-    t = report.table
+def per_layer(report: AccuracyReport, phase: str, metric: str, depth: int = 1) -> pd.DataFrame:
+    t = report.at_depth(depth)
     t = t[(t.phase == phase) & (t.dataset == "all") & (t.layer != "all")]
     return t.pivot(index="layer", columns="scorer", values=metric).sort_index(key=lambda s: s.astype(int))
 
@@ -54,19 +54,48 @@ def to_markdown(report: AccuracyReport, extra: str = "") -> str:
     budgets = [c for c in report.table.columns if c.startswith(("recall@", "precision@"))]
     parts += ["## Fetching more than k (decode)", "",
               markdown_table(report.overall("decode" if not decode.empty else "all")[budgets], "scorer"), ""]
-    t = report.table
+    t = report.at_depth(1)
     by_dataset = t[(t.phase == "decode") & (t.layer == "all") & (t.dataset != "all")]
     if not by_dataset.empty:
         parts += ["## Per dataset (decode, exact-top-k)", "",
                   markdown_table(by_dataset.pivot(index="scorer", columns="dataset", values="exact_topk"), "scorer"), ""]
     parts += ["## Per layer (decode, exact-top-k)", "",
               markdown_table(per_layer(report, "decode" if not decode.empty else "all", "exact_topk"), "layer"), ""]
+    parts += depth_section(report, "decode" if not decode.empty else "all")
     parts += ["## Scorers", "", *(f"- **{n}**: {d}" for n, d in info["scorers"].items()), "", extra]
     return "\n".join(parts)
 
 
+def by_depth(report: AccuracyReport, phase: str, metric: str) -> pd.DataFrame:
+    """scorer x depth: ``metric`` of every scorer at each look-ahead depth it was scored at."""
+    t = report.table
+    t = t[(t.phase == phase) & (t.dataset == "all") & (t.layer == "all")]
+    return t.pivot(index="scorer", columns="depth", values=metric)
+
+
+def depth_section(report: AccuracyReport, phase: str) -> list[str]:
+    """The look-ahead table and, per depth, which of the trained MLP and next-gate wins; nothing at depth 1 only."""
+    if report.depths == [1]:
+        return []
+    parts = [f"## Look-ahead depth ({phase})", "",
+             "Layer t predicted when layer t - d runs (next-gate: layer t's router on layer t - d's input).", ""]
+    for metric in ("exact_topk", "at_least_half"):
+        table = by_depth(report, phase, metric)
+        table.columns = [f"d={d}" for d in table.columns]
+        parts += [f"{metric.replace('_', '-')}:", "", markdown_table(table, "scorer"), ""]
+    exact = by_depth(report, phase, "exact_topk")
+    for d in exact.columns:
+        column = exact[d].drop("oracle", errors="ignore").dropna()
+        if not column.empty:
+            parts.append(f"- d={d}: best is **{column.idxmax()}** ({column.max():.3f} exact-top-k)"
+                         + (f"; trained MLP {column['trained MLP']:.3f} vs next-gate {column['next-gate']:.3f}"
+                            if {"trained MLP", "next-gate"} <= set(column.index) else ""))
+    return parts + [""]
+
+
 def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> list[Path]:
-    """per_layer.png, popularity.png, affinity.png; returns the files written."""
+    """per_layer.png, depth.png (look-ahead depths > 1 only), popularity.png, affinity.png; returns the files
+    written."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -86,6 +115,20 @@ def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> l
     written.append(out / "per_layer.png")
     fig.savefig(written[-1], dpi=110)
     plt.close(fig)
+    if report.depths != [1]:
+        fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+        for ax, metric in zip(axes, ("exact_topk", "at_least_half")):
+            data = by_depth(report, phase, metric).drop(index=["oracle"], errors="ignore")
+            for scorer, row in data.iterrows():
+                row = row.dropna()
+                ax.plot(row.index.astype(int), row.values, marker="o", label=scorer)
+            ax.set(xlabel="look-ahead depth d (layers)", ylabel=metric.replace("_", "-"), ylim=(0, 1.02),
+                   title=f"{metric} versus depth ({phase})", xticks=report.depths)
+        axes[1].legend(fontsize=7)
+        fig.tight_layout()
+        written.append(out / "depth.png")
+        fig.savefig(written[-1], dpi=110)
+        plt.close(fig)
     if stats is not None:
         from matplotlib.ticker import MaxNLocator
 

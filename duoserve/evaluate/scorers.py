@@ -17,7 +17,7 @@ from duoserve.features.examples import (
     Examples,
     ExampleSet,
     RoutingTable,
-    previous_experts,
+    source_experts,
 )
 from duoserve.metrics import multi_hot
 from duoserve.predictor.baselines import affinity_markov_scores, nextgate_rank_scores, popularity_scores
@@ -59,7 +59,7 @@ class TrainedMLP(Scorer):
 
     def scores(self, ev, idx):
         b = ev.batch(idx)
-        return self.predictor.logits(b["history"], b["target"], b.get("nextgate"), b.get("nextgate_scores"))
+        return self.predictor.logits(b["history"], b["target"], b.get("nextgate"), b.get("nextgate_scores"), b["depth"])
 
 
 class Popularity(Scorer):
@@ -73,18 +73,20 @@ class Popularity(Scorer):
 
 
 class AffinityMarkov(Scorer):
-    name, description = "affinity-Markov", "previous layer's routed experts times the affinity matrix"
+    name, description = "affinity-Markov", ("the source layer's routed experts times the affinity matrix (chained "
+                                            "through the layers between, d > 1)")
 
     def __init__(self, affinity: torch.Tensor):
         self.affinity = affinity
 
     def scores(self, ev, idx):
         b = ev.batch(idx)
-        return affinity_markov_scores(self.affinity, previous_experts(b), b["target"])
+        return affinity_markov_scores(self.affinity, source_experts(b), b["target"], b["depth"],
+                                      int(ev.examples.depth.max(initial=1)))
 
 
 class NextGate(Scorer):
-    name, description = "next-gate", "layer t's router on the hidden state entering layer t-1 (from the trace)"
+    name, description = "next-gate", "layer t's router on the hidden state entering layer t-d (from the trace)"
 
     def scores(self, ev, idx):
         return nextgate_rank_scores(ev.batch(idx)["nextgate"], ev.E)

@@ -13,11 +13,21 @@ def popularity_scores(popularity: torch.Tensor, target: torch.Tensor) -> torch.T
     return popularity[target.long()]
 
 
-def affinity_markov_scores(affinity: torch.Tensor, previous: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """B x E: sum over the experts routed at layer t-1 (B x k) of P(j at t | i at t-1) ((L-1) x E x E table)."""
-    E = affinity.shape[-1]
-    rows = (target.long() - 1)[:, None] * E + previous.long()  # B x k
-    return affinity.reshape(-1, E)[rows].sum(1)
+def affinity_markov_scores(affinity: torch.Tensor, source: torch.Tensor, target: torch.Tensor,
+                           depth: torch.Tensor | None = None, max_depth: int = 1) -> torch.Tensor:
+    """B x E: the experts routed at layer s = t - d (B x k ids) carried to layer t through the affinity tables
+    ((L-1) x E x E, P(j at l+1 | i at l)). At depth 1 the sum of their rows of P(j at t | i at t-1); each further
+    layer multiplies by the next table and divides by k (a Markov chain; one scale at every depth). ``depth``
+    defaults to 1; ``max_depth`` bounds it, so the loop has a fixed length (CUDA graphs, ONNX)."""
+    E, k, target = affinity.shape[-1], source.shape[1], target.long()
+    depth = torch.ones_like(target) if depth is None else depth.long()
+    first = target - depth  # B: source layers
+    scores = affinity.reshape(-1, E)[first[:, None] * E + source.long()].sum(1)  # B x E, at layer s + 1
+    for step in range(1, max_depth):
+        table = affinity[(first + step).clamp(max=len(affinity) - 1)]  # B x E x E: P(at s+step+1 | at s+step)
+        carried = torch.bmm(scores[:, None], table)[:, 0] / k  # B x E
+        scores = torch.where((depth > step)[:, None], carried, scores)
+    return scores
 
 
 def nextgate_rank_scores(nextgate: torch.Tensor, num_experts: int) -> torch.Tensor:

@@ -57,20 +57,22 @@ class SparseHistoryPredictor(nn.Module):
         self.inner.mlp = nn.Sequential()  # its first layer now lives in history_rows and dense
 
     def forward(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
+                nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
         s = self.spec
-        ids, valid = self.inner.window(history, target)  # B x W x k, B x W
+        depth = self.inner.depths(target, depth)
+        ids, valid = self.inner.window(history, target.long() - depth)  # B x W x k, B x W
         rows = torch.arange(s.window, device=ids.device)[None, :, None] * s.num_experts + ids  # B x W x k
         rows = torch.where(valid[..., None], rows, s.window * s.num_experts)  # missing layers: the zero row
         h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x H
-        dense = self.inner.dense_features(ids, target, nextgate, nextgate_scores)
-        correction = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x E
-        return self.inner.head(correction, nextgate, nextgate_scores)
+        dense = self.inner.dense_features(ids, target, depth, nextgate, nextgate_scores)
+        out = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x A*E
+        return self.inner.head(out, depth, nextgate, nextgate_scores)
 
     @torch.no_grad()
     def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                nextgate_scores: torch.Tensor | None = None, budget: int | None = None) -> torch.Tensor:
-        logits = self.forward(history, target, nextgate, nextgate_scores)
+                nextgate_scores: torch.Tensor | None = None, budget: int | None = None,
+                depth: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self.forward(history, target, nextgate, nextgate_scores, depth)
         return logits.topk(budget or self.spec.top_k, dim=1).indices
 
 
@@ -86,8 +88,8 @@ class GraphedPredictor:
     ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
     batch sizes (then ``sparse`` and ``dtype`` are the module's own).
 
-    ``__call__(history, target[, nextgate, nextgate_scores])`` copies the inputs into static buffers, replays the
-    graph on the current stream, and returns the static output (valid until the next call).
+    ``__call__(history, target[, nextgate, nextgate_scores, depth])`` copies the inputs into static buffers, replays
+    the graph on the current stream, and returns the static output (valid until the next call).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
@@ -99,6 +101,7 @@ class GraphedPredictor:
         self.model = module
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         self.target = torch.ones(batch_size, dtype=torch.long, device=device)
+        self.depth = torch.ones(batch_size, dtype=torch.long, device=device)
         self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if s.uses_nextgate else None
         self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if s.uses_scores else None
         self.budget = budget or s.top_k
@@ -115,20 +118,24 @@ class GraphedPredictor:
             self.out = self._run()
 
     def _top(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
-             nextgate_scores: torch.Tensor | None) -> torch.Tensor:
-        return self.model.predict(history, target, nextgate, nextgate_scores, self.budget)  # B x budget
+             nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
+        return self.model.predict(history, target, nextgate, nextgate_scores, self.budget, depth)  # B x budget
 
     def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
-                nextgate_scores: torch.Tensor | None) -> torch.Tensor:
-        return self.model(history, target, nextgate, nextgate_scores).sigmoid()  # B x E
+                nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
+        return self.model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
 
     def _run(self) -> torch.Tensor:
-        return self._call(self.history, self.target, self.nextgate, self.nextgate_scores)
+        return self._call(self.history, self.target, self.nextgate, self.nextgate_scores, self.depth)
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                 nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
+                 nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
         self.history.copy_(history, non_blocking=True)
         self.target.copy_(target, non_blocking=True)
+        if depth is None:
+            self.depth.fill_(1)
+        else:
+            self.depth.copy_(depth, non_blocking=True)
         for static, given in ((self.nextgate, nextgate), (self.nextgate_scores, nextgate_scores)):
             if static is not None:
                 static.copy_(given, non_blocking=True)
@@ -149,7 +156,7 @@ class TrainedPredictor:
         self.predictor = predictor
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
-        self._targets: dict[tuple[int, int], torch.Tensor] = {}  # (batch size, layer) -> B layer ids, made once
+        self._targets: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids, made once
 
     @property
     def nextgate(self) -> int:
@@ -162,23 +169,34 @@ class TrainedPredictor:
         """Whether it takes the next-gate's scores beside its ids (hybrid, residual)."""
         return self.predictor.spec.uses_scores
 
+    @property
+    def lookahead(self) -> int:
+        """A: the deepest look-ahead it has a head for (it predicts layers l+1..l+A when layer l runs)."""
+        return self.predictor.spec.lookahead
+
     @torch.no_grad()
     def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """B x E logits for each example's target layer (``target``: B layer ids)."""
-        return self.model(history, target, nextgate, nextgate_scores)
+               nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """B x E logits for each example's target layer (``target``: B layer ids; ``depth``: B depths, default 1)."""
+        return self.model(history, target, nextgate, nextgate_scores, depth)
+
+    def _filled(self, B: int, value: int, device: torch.device) -> torch.Tensor:
+        """B copies of ``value`` on ``device``, made once (not one fill kernel per layer of every decode step)."""
+        key = (B, value, str(device))
+        if key not in self._targets:
+            self._targets[key] = torch.full((B,), value, dtype=torch.long, device=device)
+        return self._targets[key]
 
     @torch.no_grad()
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """B x E scores in [0, 1] of layer ``target`` for every sequence (on the current stream)."""
+               nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor:
+        """B x E scores in [0, 1] of layer ``target``, predicted ``depth`` layers ahead, for every sequence (on the
+        current stream)."""
         B = len(history)
-        if (B, target) not in self._targets:  # not one fill kernel per layer of every decode step
-            self._targets[B, target] = torch.full((B,), target, dtype=torch.long, device=history.device)
-        layer = self._targets[B, target]
+        layer, ahead = self._filled(B, target, history.device), self._filled(B, depth, history.device)
         if history.device.type != "cuda":
-            return self.model(history, layer, nextgate, nextgate_scores).sigmoid()
+            return self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()
         if B not in self._graphs:
             self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
                                                module=self.model)
-        return self._graphs[B](history, layer, nextgate, nextgate_scores)
+        return self._graphs[B](history, layer, nextgate, nextgate_scores, ahead)

@@ -1,7 +1,12 @@
-"""The next-layer expert predictor: features built from a token's routing history, then an MLP.
+"""The expert predictor: features built from a token's routing history, then an MLP, one head per look-ahead depth.
 
 Shape legend: B examples, L MoE layers, E experts, k top-k, W history window (layers), D input width,
-m next-gate width (ids and scores of the next-gate guess, the router's top-k first).
+m next-gate width (ids and scores of the next-gate guess, the router's top-k first), A look-ahead depths.
+
+An example is (token, target layer t, depth d): predict layer t's experts from what is known when layer
+s = t - d runs: the routing of layers <= s and the next-gate guess for t made on layer s's input. The
+paper's predictor is depth 1 only (A = 1); with ``lookahead`` A > 1 the MLP is shared and its last layer
+holds one E-wide head per depth.
 
 Families (``FeatureSpec.family``):
   paper     the DuoServe-MoE MLP: history + statistics (+ the next-gate's top-k as a multi-hot, if asked)
@@ -10,12 +15,13 @@ Families (``FeatureSpec.family``):
             features whose last layer starts at zero): it starts as next-gate and learns where the
             router's guess is wrong
 
-Features for target layer t (predicting layer t from layers < t), concatenated:
-  history    W x E  multi-hot of the experts selected at layers t-W .. t-1 (zero before layer 0)
+Features for target layer t at depth d (source layer s = t - d), concatenated:
+  history    W x E  multi-hot of the experts selected at layers s-W+1 .. s (zero before layer 0)
   popularity E      layer t's selection frequencies (from the training traces)
-  affinity   E      sum over layer t-1's selected experts i of P(j at t | i at t-1)
+  affinity   E      the affinity-Markov chain from layer s's selected experts to layer t (baselines.py)
   layer      L      one-hot of t
-  nextgate   E      optional: multi-hot of the next-gate guess for t (layer t's router on layer t-1's input)
+  depth      A      one-hot of d (only when A > 1)
+  nextgate   E      optional: multi-hot of the next-gate guess for t (layer t's router on layer s's input)
   ng scores  E      hybrid and residual: the next-gate's probabilities at its m ids, zero elsewhere
 The features are computed inside the module from expert ids, so training, evaluation and the
 runtime share one definition, and the exported artifact carries the statistics it needs.
@@ -49,8 +55,11 @@ class FeatureSpec:
     nextgate: bool = False
     family: str = "paper"
     nextgate_width: int = 0  # m next-gate ids (and scores) an example carries; 0: k
+    lookahead: int = 1  # A: heads for depths 1..A
 
     def __post_init__(self):
+        if not 1 <= self.lookahead <= self.num_layers - 1:
+            raise ValueError(f"look-ahead depth must be in 1..{self.num_layers - 1} layers, got {self.lookahead}")
         if not 1 <= self.window <= self.num_layers - 1:
             raise ValueError(f"history window must be in 1..{self.num_layers - 1} layers, got {self.window}")
         if self.family not in FAMILIES:
@@ -75,7 +84,7 @@ class FeatureSpec:
     def input_dim(self) -> int:
         E = self.num_experts
         return (self.window * E + E * (self.popularity + self.affinity + self.nextgate + self.uses_scores)
-                + self.num_layers)
+                + self.num_layers + (self.lookahead if self.lookahead > 1 else 0))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -95,29 +104,33 @@ class ExpertPredictor(nn.Module):
         for w in widths:
             blocks += [nn.Linear(width, w), nn.BatchNorm1d(w), nn.ReLU(), nn.Dropout(dropout)]
             width = w
-        self.mlp = nn.Sequential(*blocks, nn.Linear(width, E))
+        self.mlp = nn.Sequential(*blocks, nn.Linear(width, E * spec.lookahead))  # one head per depth
         if spec.family == "residual":  # a zero correction: the untrained model is next-gate
             nn.init.zeros_(self.mlp[-1].weight)
             nn.init.zeros_(self.mlp[-1].bias)
 
-    def window(self, history: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The expert ids at the W layers before each target (B x W x k) and which of those layers exist (B x W)."""
+    def window(self, history: torch.Tensor, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The expert ids at the W layers up to each source layer s = t - d (B x W x k) and which of those layers
+        exist (B x W)."""
         W = self.spec.window
-        layers = target.long()[:, None] - W + torch.arange(W, device=target.device)  # B x W: layers in the window
+        layers = source.long()[:, None] - W + 1 + torch.arange(W, device=source.device)  # B x W: layers in the window
         ids = history.long().gather(1, layers.clamp(min=0)[..., None].expand(-1, -1, history.shape[2]))
         return ids, layers >= 0
 
-    def dense_features(self, window_ids: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
+    def dense_features(self, window_ids: torch.Tensor, target: torch.Tensor, depth: torch.Tensor,
+                       nextgate: torch.Tensor | None = None,
                        nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """B x (D - W*E): every feature after the history (popularity, affinity, layer, next-gate)."""
+        """B x (D - W*E): every feature after the history (popularity, affinity, layer, depth, next-gate)."""
         s = self.spec
         B, E, target = len(target), s.num_experts, target.long()
         parts = []
         if s.popularity:
             parts.append(popularity_scores(self.popularity, target))  # B x E
-        if s.affinity:
-            parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target))  # B x E, from layer t-1
+        if s.affinity:  # B x E, from the source layer's experts
+            parts.append(affinity_markov_scores(self.affinity, window_ids[:, -1], target, depth, s.lookahead))
         parts.append(torch.zeros(B, s.num_layers, device=target.device).scatter_(1, target[:, None], 1.0))  # B x L
+        if s.lookahead > 1:
+            parts.append(torch.zeros(B, s.lookahead, device=target.device).scatter_(1, depth[:, None] - 1, 1.0))
         if s.uses_nextgate and nextgate is None:
             raise ValueError("this predictor was trained with next-gate features: pass nextgate ids")
         if s.nextgate:
@@ -145,35 +158,48 @@ class ExpertPredictor(nn.Module):
         ranked = nextgate_scores.float().clamp_min(LOG_FLOOR).log() - position  # B x m
         return self._at_ids(nextgate, ranked, math.log(LOG_FLOOR) - 1.0)
 
-    def head(self, correction: torch.Tensor, nextgate: torch.Tensor | None,
+    def head(self, out: torch.Tensor, depth: torch.Tensor, nextgate: torch.Tensor | None,
              nextgate_scores: torch.Tensor | None) -> torch.Tensor:
-        """B x E logits from the MLP's output: itself, or for the residual family a correction of next-gate."""
+        """B x E logits from the MLP's output (B x A*E): its depth-d head, itself or for the residual family a
+        correction of next-gate."""
+        if self.spec.lookahead > 1:
+            heads = out.view(len(out), self.spec.lookahead, -1)  # B x A x E
+            out = heads.gather(1, (depth.long() - 1)[:, None, None].expand(-1, 1, heads.shape[2]))[:, 0]  # B x E
         if self.spec.family != "residual":
-            return correction
-        return self.nextgate_logits(nextgate, nextgate_scores) + correction
+            return out
+        return self.nextgate_logits(nextgate, nextgate_scores) + out
+
+    @staticmethod
+    def depths(target: torch.Tensor, depth: torch.Tensor | None) -> torch.Tensor:
+        """B look-ahead depths: ``depth``, or 1 for every example when it is not given."""
+        return torch.ones_like(target, dtype=torch.long) if depth is None else depth.long()
 
     def features(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                 nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """B x D features. ``history`` B x L' x k ids (layers >= target are ignored), ``target`` B layer ids
-        in 1..L-1, ``nextgate`` B x m ids guessed for the target layer (the router's top-k first) and
-        ``nextgate_scores`` their probabilities (B x m), when the spec uses them."""
-        ids, valid = self.window(history, target)  # B x W x k, B x W
+                 nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """B x D features. ``history`` B x L' x k ids (layers after the source t - d are ignored), ``target`` B
+        layer ids in d..L-1, ``nextgate`` B x m ids guessed for the target layer on the source layer's input (the
+        router's top-k first) and ``nextgate_scores`` their probabilities (B x m), when the spec uses them;
+        ``depth`` B look-ahead depths in 1..A (default 1)."""
+        depth = self.depths(target, depth)
+        ids, valid = self.window(history, target.long() - depth)  # B x W x k, B x W
         B, W, E = len(target), self.spec.window, self.spec.num_experts
         multi_hot = torch.zeros(B, W, E, device=history.device).scatter_(2, ids, 1.0).mul_(valid[..., None].float())
-        dense = self.dense_features(ids, target, nextgate, nextgate_scores)
+        dense = self.dense_features(ids, target, depth, nextgate, nextgate_scores)
         return torch.cat([multi_hot.flatten(1), dense], dim=1)  # B x D
 
     def forward(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """B x E logits for the experts of layer ``target``."""
-        x = self.features(history, target, nextgate, nextgate_scores)
-        return self.head(self.mlp(x.to(self.mlp[0].weight.dtype)), nextgate, nextgate_scores)
+                nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
+        """B x E logits for the experts of layer ``target``, predicted ``depth`` layers ahead."""
+        depth = self.depths(target, depth)
+        x = self.features(history, target, nextgate, nextgate_scores, depth)
+        return self.head(self.mlp(x.to(self.mlp[0].weight.dtype)), depth, nextgate, nextgate_scores)
 
     @torch.no_grad()
     def predict(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                nextgate_scores: torch.Tensor | None = None, budget: int | None = None) -> torch.Tensor:
+                nextgate_scores: torch.Tensor | None = None, budget: int | None = None,
+                depth: torch.Tensor | None = None) -> torch.Tensor:
         """B x budget expert ids (default budget: top-k), best first."""
-        logits = self.forward(history, target, nextgate, nextgate_scores)
+        logits = self.forward(history, target, nextgate, nextgate_scores, depth)
         return logits.topk(budget or self.spec.top_k, dim=1).indices
 
     def check_geometry(self, num_layers: int, num_experts: int, top_k: int, what: str = "model") -> None:

@@ -3,7 +3,8 @@
 The graph is the BatchNorm-folded predictor with the features built inside it, as in PyTorch:
 inputs ``history`` (B x L x k int64 expert ids; layers >= target are ignored), ``target`` (B int64
 layer ids in 1..L-1) and, for next-gate predictors, ``nextgate`` (B x m int64, the next-gate's ids,
-its top-k first) and, for the hybrid and residual families, ``nextgate_scores`` (B x m float32); output ``logits``
+its top-k first) and, for the hybrid and residual families, ``nextgate_scores`` (B x m float32), and for
+predictors with look-ahead heads ``depth`` (B int64 in 1..A; the source layer is target - depth); output ``logits``
 (B x E). The batch size is dynamic. ``export_onnx`` checks the file with onnxruntime against the
 PyTorch module on random inputs before it puts it in place.
 """
@@ -30,6 +31,9 @@ def _random_inputs(predictor: ExpertPredictor, batch: int, generator: torch.Gene
         inputs["nextgate"] = order[:, :s.width]  # distinct ids, as a router gives them
     if s.uses_scores:
         inputs["nextgate_scores"] = torch.rand(batch, s.width, generator=generator).sort(1, descending=True).values
+    if s.lookahead > 1:
+        inputs["depth"] = torch.randint(1, s.lookahead + 1, (batch,), generator=generator)
+        inputs["target"] = torch.maximum(inputs["target"], inputs["depth"])  # a source layer >= 0
     return inputs
 
 
@@ -42,7 +46,7 @@ def check_onnx(path: str | Path, predictor: ExpertPredictor, batch: int = 64, at
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     (ours,) = session.run(["logits"], {name: t.numpy() for name, t in inputs.items()})
     with torch.no_grad():
-        theirs = module(*inputs.values()).numpy()
+        theirs = module(**inputs).numpy()
     diff = float(abs(ours - theirs).max())
     if diff > atol:
         raise RuntimeError(f"ONNX export of the predictor differs from PyTorch by {diff:.2e} (> {atol:.0e})")
@@ -60,9 +64,9 @@ def export_onnx(predictor: ExpertPredictor, folder: str | Path) -> tuple[Path, f
     example = _random_inputs(predictor, 5, torch.Generator().manual_seed(0))
     path = Path(folder) / ONNX_FILE
     with atomic_path(path) as tmp:
-        program = torch.onnx.export(module, tuple(example.values()), input_names=list(example),
+        program = torch.onnx.export(module, (), kwargs=example, input_names=list(example),
                                     output_names=["logits"], dynamo=True, verbose=False,
-                                    dynamic_shapes=tuple({0: "batch"} for _ in example))
+                                    dynamic_shapes={name: {0: "batch"} for name in example})
         program.save(tmp)
         diff = check_onnx(tmp, predictor)
     return path, diff

@@ -78,9 +78,11 @@ class OffloadEngine(ExpertsPlugin):
             raise ValueError(f"policy {policy.name} does not use a predictor")
         if not settings.lookahead < self.L:
             raise ValueError(f"look-ahead must be in 1..{self.L - 1} layers, got {settings.lookahead}")
-        if settings.lookahead > 1 and isinstance(predictor, ExpertPredictor):
-            raise ValueError("a trained predictor scores the next layer from the layers before it: it needs "
-                             f"look-ahead 1, got {settings.lookahead}")
+        depth = predictor.spec.lookahead if isinstance(predictor, ExpertPredictor) else getattr(predictor, "lookahead",
+                                                                                                   None)
+        if depth is not None and settings.lookahead > depth:
+            raise ValueError(f"look-ahead {settings.lookahead} needs a predictor with heads that deep; this one has "
+                             f"depth {depth} (duoserve-train fit --lookahead {settings.lookahead})")
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         self.streams = Streams(self.device)
         self.timers = EngineTimers(self.streams)

@@ -1,10 +1,10 @@
 """The decode prefetch plan: predict the experts of layers ahead while a layer computes, and copy them in.
 
 At decode layer l the predictor scores layer l+d (d = the look-ahead; a step's first layer predicts
-1..d) from the token's routing history (and, for predictors trained with them, next-gate ids:
-layer t's router on this layer's input), on its own stream. Its top experts, the batch's union
-scored at least the minimum score, best first, are copied into the cache at once, so the target
-layer finds them resident; its router's real choice is still checked and a miss is fetched then.
+1..d) with its depth-d head from the token's routing history up to l (and, for predictors trained with
+them, next-gate ids and scores: layer t's router on this layer's input), on its own stream. Its top
+experts, the batch's union scored at least the minimum score, best first, are copied into the cache
+at once, so the target layer finds them resident; its router's real choice is still checked and a miss is fetched then.
 
 A predictor on the host (the benchmarks' oracle) names its guesses at once: nothing is queued on
 the device for it and nothing waited for.
@@ -70,9 +70,9 @@ class DecodePrefetch:
             hidden.record_stream(stream)
         with self.streams.on(stream), self.timers.predict.span(stream):
             self.history[:, l].copy_(idx)
-            # next-gate: layer t's router on this layer's MoE input (t = l + 1; such predictors take look-ahead 1)
+            # next-gate: layer t's router on this layer's MoE input; the head of depth t - l
             scores = torch.stack([self.predictor.scores(self.history, t, *(self.next_gate[t](hidden)
-                                                                           if self.next_gate else ()))
+                                                                           if self.next_gate else ()), depth=t - l)
                                   for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
             if top.indices.device.type == "cpu":  # the CPU playing the GPU

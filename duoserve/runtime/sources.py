@@ -25,16 +25,18 @@ class RoutingSource(Protocol):
 
 
 class LayerPredictor(Protocol):
-    """Scores layer ``target``'s experts for each sequence of a decode step, on the device, from the B x L x k
-    routing history (and the next-gate's B x m ids for ``target``, if it uses them: ``nextgate`` says how many, 0
-    for none; and their scores, if ``nextgate_scores``)."""
+    """Scores layer ``target``'s experts for each sequence of a decode step, on the device, ``depth`` layers ahead
+    (1..``lookahead``), from the B x L x k routing history up to layer target - depth (and the next-gate's B x m
+    ids for ``target`` on that layer's input, if it uses them: ``nextgate`` says how many, 0 for none; and their
+    scores, if ``nextgate_scores``)."""
 
     on_host = False
     nextgate: int
     nextgate_scores: bool
+    lookahead: int
 
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor: ...  # B x E
+               nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor: ...  # B x E
 
 
 class HostPredictor(Protocol):

@@ -1,6 +1,6 @@
-"""Fit a next-layer expert predictor on traces and export it as a self-contained artifact.
+"""Fit an expert predictor (one head per look-ahead depth) on traces and export it as a self-contained artifact.
 
-Shape legend: B examples in a batch, L MoE layers, E experts, k top-k.
+Shape legend: B examples in a batch, L MoE layers, E experts, k top-k, A look-ahead depths.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from duoserve.features.examples import (
     RoutingTable,
     load_routing,
     make_examples,
-    previous_experts,
+    source_experts,
     split_requests,
 )
 from duoserve.features.stats import stats_from_ids
@@ -57,28 +57,40 @@ class FitResult:
     resumed: bool = False  # continued from a checkpoint: close to, but not bit-exact with, an uninterrupted fit
 
 
+def depth_label(name: str, depth: int) -> str:
+    """A scorer's name at a look-ahead depth: itself at depth 1, ``name (d=2)`` deeper."""
+    return name if depth == 1 else f"{name} (d={depth})"
+
+
 @torch.no_grad()
 def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Examples,
                        batch_size: int = 8192) -> dict[str, dict[str, float]]:
-    """exact-top-k / at-least-half / recall on ``val`` of the predictor and the zero-training baselines."""
+    """exact-top-k / at-least-half / recall on ``val`` of the predictor and the zero-training baselines, per
+    look-ahead depth (``depth_label``)."""
     predictor = predictor.eval().cpu()
-    E = predictor.spec.num_experts
-    data = ExampleSet(table, val)
-    scores: dict[str, list[torch.Tensor]] = {"predictor": [], "popularity": [], "affinity": []}
-    if table.nextgate is not None:
-        scores["nextgate"] = []
-    truth = []
-    for i in range(0, len(data), batch_size):
-        b = data.__getitems__(list(range(i, min(i + batch_size, len(data)))))
-        prev = previous_experts(b)  # B x k
-        scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate"), b.get("nextgate_scores")))
-        scores["popularity"].append(popularity_scores(predictor.popularity, b["target"]))
-        scores["affinity"].append(affinity_markov_scores(predictor.affinity, prev, b["target"]))
-        if "nextgate" in scores:
-            scores["nextgate"].append(nextgate_rank_scores(b["nextgate"], E))
-        truth.append(b["truth"])
-    truth_t = torch.cat(truth)
-    return {name: topk_metrics(torch.cat(s), truth_t, E) for name, s in scores.items()}
+    spec = predictor.spec
+    metrics = {}
+    for d in range(1, spec.lookahead + 1):
+        at = np.flatnonzero(val.depth == d)
+        data = ExampleSet(table, Examples(val.token[at], val.target[at], val.depth[at]))
+        scores: dict[str, list[torch.Tensor]] = {"predictor": [], "popularity": [], "affinity": []}
+        if data.nextgate is not None:
+            scores["nextgate"] = []
+        truth = []
+        for i in range(0, len(data), batch_size):
+            b = data.__getitems__(list(range(i, min(i + batch_size, len(data)))))
+            scores["predictor"].append(predictor(b["history"], b["target"], b.get("nextgate"),
+                                                 b.get("nextgate_scores"), b["depth"]))
+            scores["popularity"].append(popularity_scores(predictor.popularity, b["target"]))
+            scores["affinity"].append(affinity_markov_scores(predictor.affinity, source_experts(b), b["target"],
+                                                             b["depth"], d))
+            if "nextgate" in scores:
+                scores["nextgate"].append(nextgate_rank_scores(b["nextgate"], spec.num_experts))
+            truth.append(b["truth"])
+        truth_t = torch.cat(truth)
+        metrics |= {depth_label(name, d): topk_metrics(torch.cat(s), truth_t, spec.num_experts)
+                    for name, s in scores.items()}
+    return metrics
 
 
 def _work_dir(s: FitSettings) -> Path:
@@ -97,21 +109,25 @@ def fit(s: FitSettings) -> FitResult:
     if s.out.exists() and not (s.out / "config.json").exists():
         raise FileExistsError(f"{s.out} exists and is not a predictor folder; give a new --out")
     traces = [open_trace(p) for p in s.traces]
-    table = load_routing(traces, s.phase, s.datasets)
+    table = load_routing(traces, s.phase, s.datasets, s.lookahead)
     meta = table.meta
     L, E, k = meta.num_layers, meta.num_experts, meta.top_k
     if L < 2:
         raise ValueError("a next-layer predictor needs at least 2 MoE layers")
+    if not 1 <= s.lookahead <= L - 1:
+        raise ValueError(f"look-ahead must be in 1..{L - 1} layers for this {L}-layer model, got {s.lookahead}")
     if s.family not in FAMILIES:
         raise ValueError(f"unknown predictor family {s.family!r}; choose from {', '.join(FAMILIES)}")
-    if ("nextgate" in s.features or s.family != "paper") and table.nextgate is None:
-        raise ValueError(f"the {'nextgate feature' if s.family == 'paper' else s.family + ' family'} needs traces "
-                         "recorded with --lookahead >= 1")
-    if s.family != "paper" and table.nextgate_scores is None:
+    if ("nextgate" in s.features or s.family != "paper") and table.nextgate_depth < s.lookahead:
+        raise ValueError(f"the {'nextgate feature' if s.family == 'paper' else s.family + ' family'} at look-ahead "
+                         f"{s.lookahead} needs traces recorded with --lookahead >= {s.lookahead} (these have "
+                         f"{table.nextgate_depth})")
+    if s.family != "paper" and len(table.nextgate_scores) < s.lookahead:
         raise ValueError(f"the {s.family} family needs the next-gate's scores: traces of format version 2 (trace "
                          "again with this duoserve)")
     spec = FeatureSpec(L, E, k, s.window or L - 1, "popularity" in s.features, "affinity" in s.features,
-                       "nextgate" in s.features, s.family, table.nextgate.shape[2] if table.nextgate is not None else 0)
+                       "nextgate" in s.features, s.family, table.nextgate[1].shape[2] if table.nextgate else 0,
+                       s.lookahead)
 
     val_request = split_requests(table.requests, s.val_fraction, s.seed)  # per request
     train_request = ~val_request
@@ -124,7 +140,9 @@ def fit(s: FitSettings) -> FitResult:
         train_request = np.zeros_like(train_request)
         train_request[keep] = True
     val_token, train_token = val_request[table.request], train_request[table.request]  # per token
-    train, val = make_examples(np.flatnonzero(train_token), L), make_examples(np.flatnonzero(val_token), L)
+    depths = range(1, s.lookahead + 1)
+    train, val = (make_examples(np.flatnonzero(train_token), L, depths),
+                  make_examples(np.flatnonzero(val_token), L, depths))
     stats = stats_from_ids(table.ids[train_token], E)  # training requests only: nothing leaks from validation
 
     work = _work_dir(s)

@@ -42,7 +42,8 @@ class PredictorModule(pl.LightningModule):
         self.model = ExpertPredictor(FeatureSpec(**spec), widths, dropout, popularity, affinity)
 
     def _logits(self, batch: dict) -> torch.Tensor:
-        return self.model(batch["history"], batch["target"], batch.get("nextgate"), batch.get("nextgate_scores"))
+        return self.model(batch["history"], batch["target"], batch.get("nextgate"), batch.get("nextgate_scores"),
+                          batch["depth"])
 
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
         E = self.model.spec.num_experts

@@ -28,6 +28,7 @@ class FitSettings:
     dropout: float = 0.1
     features: Sequence[str] = ("popularity", "affinity")  # plus "nextgate" if wanted
     family: str = "paper"  # duoserve.predictor.model.FAMILIES
+    lookahead: int = 1  # A: one head per depth 1..A (predict layer l+d when layer l runs)
     epochs: int = 10
     batch_size: int = 1024
     lr: float = 1e-3
