@@ -3,13 +3,16 @@
     python benchmarks/predictor_latency.py                       # CPU
     python benchmarks/predictor_latency.py --device cuda         # + CUDA graphs (fp32, bf16) and GPU memory
     python benchmarks/predictor_latency.py --device cuda --family residual   # another family (paper, hybrid, residual)
+    python benchmarks/predictor_latency.py --device cuda --lookahead 3       # heads for depths 1..3, timed at 3
 
 Geometry L=48, E=128, k=8 (Qwen3-30B-A3B's) with the paper's widths and random weights and
 statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with
 the sparse (embedding-bag) first layer, and on CUDA CUDA graphs of the folded one (fp32, bf16,
 fp32 through torch.compile) and of the sparse one. Hybrid and residual predictors are also handed
 the next-gate's 2k ids and scores (computed by the runtime from the router; not timed here).
-Reports the median per-call latency, each
+With ``--lookahead A`` the predictor has A heads and is called at depth A
+(the affinity chain's A-1 steps run at every depth: the cost does not depend on it). Reports the
+median per-call latency, each
 variant's speed-up over eager in the same run, and on CUDA the GPU memory the predictor holds.
 Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 300 MB.
 """
@@ -60,15 +63,17 @@ def next_gate_inputs(model, g: torch.Generator, device) -> tuple[torch.Tensor, .
 
 
 def agreement_with_eager(model, graphed, L: int, E: int, k: int, device, samples: int = 500) -> float:
+    A = model.spec.lookahead
     """Share of random inputs on which the graphed predictor picks the same top-k set as eager float32."""
     g = torch.Generator().manual_seed(1)
     same = 0
     for _ in range(samples):
         history = routed_ids(g, L, E, k).to(device)
-        target = torch.randint(1, L, (1,), generator=g).to(device)
+        target = torch.randint(A, L, (1,), generator=g).to(device)
+        depth = torch.randint(1, A + 1, (1,), generator=g).to(device)
         extra = next_gate_inputs(model, g, device)
-        same += torch.equal(graphed(history, target, *extra).sort().values,
-                            model.predict(history, target, *extra).sort().values)
+        same += torch.equal(graphed(history, target, *extra, depth=depth).sort().values,
+                            model.predict(history, target, *extra, depth=depth).sort().values)
     return same / samples
 
 
@@ -90,22 +95,24 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--family", choices=FAMILIES, default="paper")
+    ap.add_argument("--lookahead", type=int, default=1, help="Heads for depths 1..A; calls are timed at depth A.")
     args = ap.parse_args()
     device = torch.device(args.device)
     L, E, k = args.layers, args.experts, args.top_k
 
     base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    model = random_predictor(L, E, k, PAPER_WIDTHS, args.family).to(device)
+    model = random_predictor(L, E, k, PAPER_WIDTHS, args.family, args.lookahead).to(device)
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     history = routed_ids(torch.Generator().manual_seed(0), L, E, k).to(device)
     target = torch.tensor([L // 2], device=device)
+    depth = torch.tensor([args.lookahead], device=device)
     extra = next_gate_inputs(model, torch.Generator().manual_seed(2), device)
     eager_mb = (torch.cuda.memory_allocated(device) - base_mem) / 2**20 if device.type == "cuda" else 0.0
-    variants = {"eager": lambda: model.predict(history, target, *extra)}
+    variants = {"eager": lambda: model.predict(history, target, *extra, depth=depth)}
     folded = fold_batchnorm(model)
-    variants["bn_folded"] = lambda: folded.predict(history, target, *extra)
+    variants["bn_folded"] = lambda: folded.predict(history, target, *extra, depth=depth)
     sparse = SparseHistoryPredictor(model)
-    variants["bn_folded_sparse"] = lambda: sparse.predict(history, target, *extra)
+    variants["bn_folded_sparse"] = lambda: sparse.predict(history, target, *extra, depth=depth)
     memory, agreement, gpu_time = {"eager_model": eager_mb}, {}, {}
     if device.type == "cuda":
         for name, dtype, sparse_graph, compiled in (("cuda_graph", torch.float32, False, False),
@@ -117,11 +124,11 @@ def main() -> None:
             torch.cuda.reset_peak_memory_stats(device)
             graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype, sparse=sparse_graph,
                                        compile=compiled)
-            graphed(history, target, *extra)
+            graphed(history, target, *extra, depth=depth)
             torch.cuda.synchronize(device)
             memory[name] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
                             "peak": (torch.cuda.max_memory_allocated(device) - before) / 2**20}
-            variants[name] = lambda g=graphed: g(history, target, *extra)
+            variants[name] = lambda g=graphed: g(history, target, *extra, depth=depth)
             agreement[name] = agreement_with_eager(model, graphed, L, E, k, device)
             gpu_time[name] = replay_gpu_ms(graphed, device)
     results = {}
@@ -130,7 +137,8 @@ def main() -> None:
             fn()
         results[name] = time_calls(fn, device, args.iters)
     report = {
-        "benchmark": "predictor_latency", "family": args.family, "geometry": {"L": L, "E": E, "k": k},
+        "benchmark": "predictor_latency", "family": args.family, "lookahead": args.lookahead,
+        "geometry": {"L": L, "E": E, "k": k},
         "widths": list(PAPER_WIDTHS), "input_dim": model.spec.input_dim, "parameters_and_buffers": params,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": 1,

@@ -44,13 +44,14 @@ def save_shape(name: str, folder: str | Path, num_layers: int | None = None, **o
 
 
 def random_predictor(L: int, E: int, k: int, widths: tuple[int, ...] = PAPER_WIDTHS,
-                     family: str = "paper") -> ExpertPredictor:
-    """A predictor of the given geometry and family with random weights and statistics (seeded): its cost, not its
-    accuracy. Hybrid and residual ones take 2k next-gate ids and scores."""
+                     family: str = "paper", lookahead: int = 1) -> ExpertPredictor:
+    """A predictor of the given geometry, family and look-ahead depth with random weights and statistics (seeded):
+    its cost, not its accuracy. Hybrid and residual ones take 2k next-gate ids and scores."""
     torch.manual_seed(0)
     pop = torch.rand(L, E)
     aff = torch.rand(L - 1, E, E)
-    spec = FeatureSpec(L, E, k, L - 1, family=family, nextgate_width=2 * k if family != "paper" else 0)
+    spec = FeatureSpec(L, E, k, L - 1, family=family, nextgate_width=2 * k if family != "paper" else 0,
+                       lookahead=lookahead)
     model = ExpertPredictor(spec, widths, 0.1, pop / pop.sum(1, keepdim=True), aff / aff.sum(2, keepdim=True))
     if family == "residual":  # a trained correction is not zero
         torch.nn.init.normal_(model.mlp[-1].weight, std=0.01)
