@@ -1,22 +1,28 @@
 #!/usr/bin/env bash
 # The predictor families side by side on one trace folder: decode exact-top-k on held-out requests, within and
-# across tasks. CPU is enough for the embedded default (about 15 minutes on 2 cores).
+# across tasks, at look-ahead depths 1..D. CPU is enough: about 25 minutes on 2 cores for the embedded default,
+# 45 for the larger substrate (benchmarks/data/substrate/traces).
 #
 #   bash benchmarks/families.sh [TRACES] [OUT]      # TRACES default: a fresh trace of the embedded default
+#   LOOKAHEAD=2 (default) sets D; the trace must record next-gate guesses that deep (duoserve-trace collect
+#   --lookahead D).
 #
-# Each family is fitted as `make demo` fits the paper's (4 epochs, default widths) and scored by
-# `duoserve-eval accuracy --cross-task` (which refits it on each task alone, 3 epochs).
+# Each family is fitted as `make demo` fits the paper's (4 epochs, default widths) with heads for depths 1..D and
+# scored by `duoserve-eval accuracy --cross-task` (which refits it on each task alone, 3 epochs).
 set -euo pipefail
 OUT=${2:-out/families}
 TRACES=${1:-$OUT/traces}
 BIN=${BIN:-.venv/bin}
-[ -e "$TRACES" ] || "$BIN/duoserve-trace" collect --out "$TRACES"
+D=${LOOKAHEAD:-2}
+[ -e "$TRACES" ] || "$BIN/duoserve-trace" collect --out "$TRACES" --lookahead "$D"
 for family in paper hybrid residual; do
-  "$BIN/duoserve-train" fit "$TRACES" --out "$OUT/p-$family" --epochs 4 --family "$family" --clean >/dev/null
+  "$BIN/duoserve-train" fit "$TRACES" --out "$OUT/p-$family" --epochs 4 --family "$family" --lookahead "$D" \
+      --clean >/dev/null
   "$BIN/duoserve-eval" accuracy "$TRACES" --predictor "$OUT/p-$family" --out "$OUT/r-$family" --cross-task >/dev/null
 done
 for family in paper hybrid residual; do
   echo "== $family ($OUT/r-$family/report.md)"
   sed -n '/^## decode tokens/,/^## prefill/p' "$OUT/r-$family/report.md" | grep -E "^\| (trained MLP|next-gate) "
+  sed -n '/^## Look-ahead depth/,/^## Scorers/p' "$OUT/r-$family/report.md" | grep -E "^(- d=|\| (trained MLP|next-gate) )"
   grep -E "^\| (trained MLP|next-gate) / trained on" "$OUT/r-$family/report.md"
 done

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +14,7 @@ from duoserve.evaluate.report import write_report
 from duoserve.features.examples import ExampleSet, load_routing, make_examples, source_experts
 from duoserve.predictor.baselines import affinity_markov_scores
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from duoserve.trace import open_trace
 from duoserve.train.fit import FitSettings, fit
 
 SMALL = dict(widths=(64,), epochs=1, batch_size=512, progress=False, clean=True)
@@ -123,3 +126,28 @@ def test_lookahead_heads_replay_as_cuda_graphs():
             expected = model(history, torch.full((B,), 5), nextgate, scores, torch.full((B,), depth)).sigmoid()
         torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
     assert len(deployed._graphs) == 1
+
+
+FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
+
+
+@pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
+def test_a_real_models_routing_imports_and_trains_history_only_heads(tmp_path):
+    import importlib.util
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "flame_moe.py"
+    spec = importlib.util.spec_from_file_location("flame_moe", script)
+    flame = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(flame)
+    traces = flame.import_flame(FLAME, tmp_path)
+    table = load_routing([open_trace(t) for t in traces])
+    assert (table.meta.num_layers, table.meta.num_experts, table.meta.top_k) == (25, 64, 6)
+    assert len(table.requests) == 32 + 64 and len(table) == 32 * 64 + 64 * 10 and table.nextgate_depth == 0
+    encoder = np.load(FLAME / flame.FILES["flame-encoder"])["topk_indices"]  # L x T x k, sequence-major
+    first = [i for i, (d, r) in enumerate(table.requests) if (d, r) == ("flame-encoder", 1)][0]
+    rows = np.flatnonzero(table.request == first)
+    rows = rows[np.argsort(table.position[rows])]
+    np.testing.assert_array_equal(table.ids[rows], encoder[:, 64:128].transpose(1, 0, 2))  # sequence 1, in order
+    result = fit(FitSettings(traces=traces, out=tmp_path / "p", lookahead=2, val_fraction=0.2, **SMALL))
+    m = result.metrics
+    assert m["predictor (d=2)"]["recall"] > m["popularity (d=2)"]["recall"], m  # history carries two layers ahead

@@ -139,8 +139,8 @@ BudgetOption = Annotated[Optional[str], typer.Option(
     help="Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
          "experts. [default: (1 + lookahead) x top-k experts]")]
 LookaheadOption = Annotated[int, typer.Option(
-    help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. Trained predictors "
-         "need 1; oracles take any.")]
+    help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. A trained predictor "
+         "needs heads that deep (duoserve-train fit --lookahead D, D >= d); oracles take any.")]
 EagerOption = Annotated[bool, typer.Option(
     help="Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py).")]
 MinScoreOption = Annotated[float, typer.Option(
