@@ -29,9 +29,9 @@ def synthetic_table(tokens: int, L: int, E: int, k: int) -> RoutingTable:
     rng = np.random.default_rng(0)
     ids = random_ids(rng, tokens, L, E, k).astype(np.int16)
     meta = TraceMeta(model="synthetic", num_layers=L, num_experts=E, top_k=k, decoder_indices=list(range(L)),
-                     datasets=[], lookahead=1)
+                     datasets=[], lookahead=1, nextgate_width=k)
     request = np.arange(tokens) // 100
-    return RoutingTable(meta, ids, ids[:, 1:].copy(), request, [("synthetic", int(r)) for r in np.unique(request)],
+    return RoutingTable(meta, ids, {1: ids[:, 1:].copy()}, {}, request, [("synthetic", int(r)) for r in np.unique(request)],
                         np.arange(tokens) % 100 >= 80, (np.arange(tokens) % 100).astype(np.int32))
 
 
