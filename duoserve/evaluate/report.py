@@ -90,7 +90,11 @@ def depth_section(report: AccuracyReport, phase: str) -> list[str]:
             parts.append(f"- d={d}: best is **{column.idxmax()}** ({column.max():.3f} exact-top-k)"
                          + (f"; trained MLP {column['trained MLP']:.3f} vs next-gate {column['next-gate']:.3f}"
                             if {"trained MLP", "next-gate"} <= set(column.index) else ""))
-    return parts + [""]
+    parts.append("")
+    for d in report.depths[1:]:
+        parts += [f"Per layer, {d} layers ahead ({phase}, exact-top-k):", "",
+                  markdown_table(per_layer(report, phase, "exact_topk", d), "layer"), ""]
+    return parts
 
 
 def plot_all(report: AccuracyReport, stats: RoutingStats | None, out: Path) -> list[Path]:
