@@ -85,6 +85,7 @@ def test_fit_report_and_export_at_depth_two(embedded_trace, tmp_path):
     folder = write_report(report, tmp_path / "report", report.stats)
     text = (folder / "report.md").read_text()
     assert "## Look-ahead depth (decode)" in text and "- d=2: best is" in text and "Per layer, 2 layers ahead" in text
+    assert "nan" not in text
     assert (folder / "depth.png").stat().st_size > 0
     with pytest.raises(ValueError, match="needs traces recorded with --lookahead >= 3"):
         fit(FitSettings(traces=[embedded_trace.path], out=tmp_path / "deep", family="hybrid", lookahead=3, **SMALL))

@@ -19,7 +19,8 @@ def markdown_table(df: pd.DataFrame, index_name: str) -> str:
     lines = [f"| {index_name} | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
     ints = {c for c in cols if pd.api.types.is_integer_dtype(df[c])}
     for idx, row in zip(df.index, df.itertuples(index=False)):
-        cells = [str(v) if c in ints else f"{v:.3f}" if isinstance(v, float) else str(v) for c, v in zip(cols, row)]
+        cells = [str(v) if c in ints else ("-" if v != v else f"{v:.3f}") if isinstance(v, float) else str(v)
+                 for c, v in zip(cols, row)]  # NaN (v != v): a scorer not scored there
         lines.append(f"| {idx} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
