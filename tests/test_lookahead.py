@@ -76,7 +76,8 @@ def test_fit_report_and_export_at_depth_two(embedded_trace, tmp_path):
     assert {"predictor", "predictor (d=2)", "nextgate (d=2)", "affinity (d=2)"} <= set(result.metrics)
     predictor = load_predictor(out)  # torch alone
     assert predictor.spec.lookahead == 2 and predictor.mlp[-1].out_features == 2 * predictor.spec.num_experts
-    report = evaluate_accuracy([embedded_trace.path], out, baselines=("popularity", "affinity", "next-gate"))
+    report = evaluate_accuracy([embedded_trace.path], out, baselines=("popularity", "affinity", "next-gate",
+                                                                     "previous-token"))  # depth 1 only
     assert report.depths == [1, 2]
     deep = report.overall("decode", depth=2)
     assert {"trained MLP", "next-gate", "affinity-Markov", "popularity"} <= set(deep.index)
