@@ -340,6 +340,42 @@ def test_routing_rows_sort_pairs_by_cache_slot_with_grouped_gemm_offsets():
     assert slot.tolist() == [0, 0, 3, 3] and offsets.tolist() == [2, 2, 2, 4] and rows.dtype == "int32"
 
 
+def test_a_cache_of_more_slots_than_a_grouped_gemm_takes_computes_per_window(monkeypatch):
+    """A budget of 2,048 slots (2 layers x 1,024 experts): every grouped GEMM gets at most MAX_GROUPS groups, calls
+    whose slots span windows are split, and the generations equal the unmodified model's."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                            num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                            num_experts=1024, num_experts_per_tok=8, decoder_sparse_step=1, mlp_only_layers=[])
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    L, E, k = 2, 1024, 8  # uniform routing: about 800 experts of each layer, so layer 1's slots pass 1,024
+    with ExpertsPlugin(model, RandomRouting(L, E, k, seed=3)):
+        reference = timed_generate(model, ids, mask, 4, fixed_length=True)[0]
+    groups, windows = [], []
+    grouped = experts_module._grouped_linear
+    monkeypatch.setattr(experts_module, "_grouped_linear",
+                        lambda x, w, offsets, **kw: groups.append(len(offsets)) or grouped(x, w, offsets, **kw))
+    split = experts_module.slot_windows
+    monkeypatch.setattr(experts_module, "slot_windows", lambda rows, n: windows.append(split(rows, n)) or windows[-1])
+    policy = POLICIES["lru"]
+    stores = offload(model, policy, "cpu")
+    try:
+        budget = EngineSettings(gpu_expert_budget=stores[0].layout.nbytes * 4096)
+        with OffloadEngine(model, stores, policy, routing=RandomRouting(L, E, k, seed=3), settings=budget) as engine:
+            assert engine.cache.slots == 2048
+            tokens = timed_generate(model, ids, mask, 4, fixed_length=True)[0]
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+    assert torch.equal(tokens, reference)
+    assert groups and max(groups) <= experts_module.MAX_GROUPS
+    assert any(len(w) > 1 for w in windows if w), "no call spanned two windows of slots"
+
+
+
 @pytest.mark.parametrize("num_experts", [6, 300])  # ids sorted as 8-bit and as 16-bit integers
 def test_routing_keeps_each_experts_pairs_in_token_order(num_experts):
     ids = RandomRouting(1, num_experts, 4, seed=1).begin(500)[0]  # T=500, k=4

@@ -17,12 +17,19 @@ torch's grouped_mm has its own kernel), ``GraphedSlotExperts`` captures that gro
 T) as a CUDA graph and replays it: five launches (three input copies, the replay, a copy of the output)
 where the group takes some 15, in host time, which a decode step is short of.
 
+A grouped GEMM takes at most ``MAX_GROUPS`` groups (torch's CUDA kernel refuses more), and its groups
+are cache slots, so a cache of more slots (a large ``--gpu-expert-budget``) runs each call as one GEMM
+pair per window of ``MAX_GROUPS`` consecutive slots that holds pairs: the rows' offsets count from the
+window's first pair, and the host, which built them, knows where each window's pairs lie. Such
+caches run their decode calls eagerly (no CUDA graph: which windows a call needs changes per call).
+
 Shape legend: T tokens, H hidden size, S cache slots, n (token, expert) pairs of a group, I expert width.
 """
 
 from __future__ import annotations
 
 import itertools
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +38,9 @@ from transformers.integrations.moe import _grouped_linear
 
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.streams import EngineTimers, Streams
+
+MAX_GROUPS = 1024  # groups one grouped GEMM takes (torch's CUDA kernel); applied on every device alike
+Window = tuple[int, int, int, int]  # slots s0..s1-1 and their pairs p0..p1-1 in a call's rows
 
 # pairs (T*k) up to which a call's routing is sorted with plain lists: a decode call's few dozen pairs, where
 # numpy's fixed cost per call outweighs the work (docs/benchmarks.md gives the measured crossover)
@@ -57,7 +67,8 @@ class Routing:
 
     def rows(self, slots: dict[int, int], num_slots: int) -> np.ndarray:
         """int32 [token (n), flat routing position token * k + j (n), slot (n), offsets (S)]: the pairs of ``slots``'
-        experts (expert -> cache slot) sorted by slot, and the cumulative pair count of each slot."""
+        experts (expert -> cache slot) sorted by slot, and the cumulative pair count of each slot, counted from the
+        first pair of its window of ``MAX_GROUPS`` slots (from the first pair of all when S <= MAX_GROUPS)."""
         k = self.ids.shape[1]
         if self._flat is not None:
             pairs = sorted((slots[e], p) for p, e in enumerate(self._flat) if e in slots)  # (slot, flat position)
@@ -65,23 +76,54 @@ class Routing:
             for s, _ in pairs:
                 per_slot[s] += 1
             flat = [p for _, p in pairs]  # n
-            return np.array([p // k for p in flat] + flat + [s for s, _ in pairs] + list(itertools.accumulate(per_slot)),
-                            dtype=np.int32)
+            offsets = itertools.chain.from_iterable(itertools.accumulate(per_slot[w:w + MAX_GROUPS])
+                                                    for w in range(0, num_slots, MAX_GROUPS))
+            return np.array([p // k for p in flat] + flat + [s for s, _ in pairs] + list(offsets), dtype=np.int32)
         by_slot = sorted(slots.items(), key=lambda item: item[1])
         experts = [e for e, _ in by_slot]
         flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in experts])  # n
         per_slot = np.zeros(num_slots, dtype=np.int64)  # S
         per_slot[[s for _, s in by_slot]] = self.counts[experts]
         slot = np.repeat(np.arange(num_slots), per_slot)  # n
-        return np.concatenate([flat // k, flat, slot, np.cumsum(per_slot)]).astype(np.int32)
+        offsets = np.concatenate([np.cumsum(per_slot[w:w + MAX_GROUPS]) for w in range(0, num_slots, MAX_GROUPS)])
+        return np.concatenate([flat // k, flat, slot, offsets]).astype(np.int32)
+
+
+def slot_windows(rows: np.ndarray, num_slots: int) -> list[Window] | None:
+    """Where each window of ``MAX_GROUPS`` slots with pairs lies in ``Routing.rows``; None when one group call takes
+    every slot (S <= MAX_GROUPS)."""
+    if num_slots <= MAX_GROUPS:
+        return None
+    offsets = rows[len(rows) - num_slots:]  # S, counted within each window
+    windows, start = [], 0
+    for s0 in range(0, num_slots, MAX_GROUPS):
+        s1 = min(s0 + MAX_GROUPS, num_slots)
+        count = int(offsets[s1 - 1])
+        if count:
+            windows.append((s0, s1, start, start + count))
+        start += count
+    return windows
 
 
 def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, num_slots: int,
-                     out: torch.Tensor) -> None:
+                     out: torch.Tensor, windows: list[Window] | None = None) -> None:
     """Add to ``out`` (T x H, fp32) the routing-weighted outputs of the pairs in ``rows`` (``Routing.rows`` on the
-    device). ``experts``: the experts module as its kernels see it, with the cache's S slots as its experts."""
+    device). ``experts``: the experts module as its kernels see it, with the cache's S slots as its experts.
+    ``windows`` (``slot_windows``): one call per window of slots, for caches of more than ``MAX_GROUPS`` slots."""
     n = (rows.numel() - num_slots) // 3
     token, flat, slot, offsets = rows[:n], rows[n:2 * n], rows[2 * n:3 * n], rows[3 * n:]  # n, n, n, S
+    if windows is None:
+        _add_group(experts, hidden, weights, token, flat, slot, offsets, out)
+        return
+    up = "gate_up_proj" if experts.has_gate else "up_proj"
+    for s0, s1, p0, p1 in windows:
+        window = _SlotView(experts, {name: getattr(experts, name)[s0:s1] for name in (up, "down_proj")}, s1 - s0)
+        _add_group(window, hidden, weights, token[p0:p1], flat[p0:p1], slot[p0:p1], offsets[s0:s1], out)
+
+
+def _add_group(experts, hidden: torch.Tensor, weights: torch.Tensor, token: torch.Tensor, flat: torch.Tensor,
+               slot: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+    """One grouped GEMM pair over ``experts``' slots for the n pairs given (``slot``: cache slots, for biases)."""
     up = "gate_up_proj" if experts.has_gate else "up_proj"
     # index_select takes the int32 rows as they are; indexing would convert them to int64 first (two more launches)
     h = _grouped_linear(hidden.index_select(0, token), getattr(experts, up), offsets, bias=_bias(experts, up, slot),
@@ -95,11 +137,11 @@ def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows:
 
 
 def slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
-                 num_slots: int) -> torch.Tensor:
+                 num_slots: int, windows: list[Window] | None = None) -> torch.Tensor:
     """The T x H output, in the hidden states' dtype, of the pairs in ``rows`` (``add_slot_experts`` into a fresh
-    fp32 sum): a call whose pairs are all in one group."""
+    fp32 sum): a call whose pairs are all in one group (per window of slots, given ``windows``)."""
     out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H
-    add_slot_experts(experts, hidden, weights, rows, num_slots, out)
+    add_slot_experts(experts, hidden, weights, rows, num_slots, out, windows)
     return out.to(hidden.dtype)
 
 
@@ -174,23 +216,33 @@ class _SlotView:
         return weights[name] if name in weights else getattr(self.__dict__["_module"], name)
 
 
+class PairRows(NamedTuple):
+    """A group's pair rows (``Routing.rows``) on the device and where its slot windows lie (``slot_windows``)."""
+
+    rows: torch.Tensor
+    windows: list[Window] | None
+
+
 class SlotCompute:
     """The engine's expert compute: each MoE layer's experts modules (``modules``) run over the cache's slots,
-    their pair rows uploaded from the host, a one-group call replayed from a CUDA graph where ``graphs`` allows."""
+    their pair rows uploaded from the host, a one-group call replayed from a CUDA graph where ``graphs`` allows
+    (and the cache has at most ``MAX_GROUPS`` slots)."""
 
     def __init__(self, modules: list[nn.Module], cache: ExpertCache, streams: Streams, timers: EngineTimers,
                  graphs: bool):
         self.cache, self.streams, self.timers = cache, streams, timers
         self.views = [_SlotView(m, cache.views, cache.slots) for m in modules]
+        graphs = graphs and cache.slots <= MAX_GROUPS
         self.graphs = GraphedSlotExperts(cache.slots, streams.device) if graphs else None
 
-    def upload(self, array: np.ndarray) -> torch.Tensor:
-        """A host index array on the device, queued on the current stream without blocking the host."""
-        t = torch.from_numpy(array)
-        return t.pin_memory().to(self.streams.device, non_blocking=True) if self.streams.cuda else t
+    def upload(self, rows: np.ndarray) -> PairRows:
+        """A group's pair rows on the device, queued on the current stream without blocking the host."""
+        t = torch.from_numpy(rows)
+        t = t.pin_memory().to(self.streams.device, non_blocking=True) if self.streams.cuda else t
+        return PairRows(t, slot_windows(rows, self.cache.slots))
 
     def load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                 slots: dict[int, int]) -> tuple | torch.Tensor:
+                 slots: dict[int, int]) -> tuple | PairRows:
         """Queue the upload of a one-group call's pair rows (``slots``: expert -> slot), with the call's other inputs
         where it is replayed from a CUDA graph; what ``compute_all`` takes. Called before the call's prefetch:
         host-to-device copies run in issue order, so rows queued behind layer l+1's copies would hold layer l's
@@ -199,7 +251,7 @@ class SlotCompute:
             rows = routing.rows(slots, self.cache.slots)
             return self.graphs.load(hidden, weights, rows) if self.graphs is not None else self.upload(rows)
 
-    def compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs: tuple | torch.Tensor,
+    def compute_all(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, inputs: tuple | PairRows,
                     slots: dict[int, int]) -> torch.Tensor:
         """T x H output of every pair of the call, its experts resident in ``slots`` (expert -> slot) and its inputs
         loaded by ``load_all``: one group, replayed from a CUDA graph where they run."""
@@ -207,12 +259,12 @@ class SlotCompute:
             self.cache.wait_ready(slots.values())
         with self.timers.cpu("queue compute"):
             out = self.graphs.run(l, self.views[l], inputs) if self.graphs is not None \
-                else slot_experts(self.views[l], hidden, weights, inputs, self.cache.slots)  # T x H
+                else slot_experts(self.views[l], hidden, weights, inputs.rows, self.cache.slots, inputs.windows)
             self.cache.release(list(slots.values()))
         return out
 
-    def add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor,
+    def add_group(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, rows: PairRows,
                   slots: dict[int, int], out: torch.Tensor) -> None:
         """Add the output of the resident experts ``slots`` (expert -> slot) for their pairs (``rows``) to ``out``."""
-        add_slot_experts(self.views[l], hidden, weights, rows, self.cache.slots, out)
+        add_slot_experts(self.views[l], hidden, weights, rows.rows, self.cache.slots, out, rows.windows)
         self.cache.release(list(slots.values()))

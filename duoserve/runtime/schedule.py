@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.experts import Routing, SlotCompute
+from duoserve.runtime.experts import PairRows, Routing, SlotCompute
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import EngineTimers, Streams
 
@@ -52,7 +52,7 @@ class GroupedFetch:
         chunk = max(1, cache.slots // 2)
         groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
         depth = 2 if self.overlap and 2 * chunk <= cache.slots else 1  # groups fetched, not computed
-        queued: list[tuple[dict[int, int], torch.Tensor]] = []  # (expert -> slot, rows) of each fetched group
+        queued: list[tuple[dict[int, int], PairRows]] = []  # (expert -> slot, rows) of each fetched group
         for i in range(len(groups)):
             with timers.stall.span():
                 while len(queued) < depth and i + len(queued) < len(groups):
@@ -65,7 +65,7 @@ class GroupedFetch:
                             rows = self.compute.upload(routing.rows(fetched, cache.slots))
                         cache.seal(slots, stream)
                         if stream is not self.streams.compute:  # allocated on the copy stream, read on compute
-                            rows.record_stream(self.streams.compute)
+                            rows.rows.record_stream(self.streams.compute)
                     queued.append((fetched, rows))
                 group, rows = queued.pop(0)
                 cache.wait_ready(group.values())
