@@ -156,7 +156,7 @@ class TrainedPredictor:
         self.predictor = predictor
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
-        self._targets: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids, made once
+        self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids, made once
 
     @property
     def nextgate(self) -> int:
@@ -183,9 +183,9 @@ class TrainedPredictor:
     def _filled(self, B: int, value: int, device: torch.device) -> torch.Tensor:
         """B copies of ``value`` on ``device``, made once (not one fill kernel per layer of every decode step)."""
         key = (B, value, str(device))
-        if key not in self._targets:
-            self._targets[key] = torch.full((B,), value, dtype=torch.long, device=device)
-        return self._targets[key]
+        if key not in self._constants:
+            self._constants[key] = torch.full((B,), value, dtype=torch.long, device=device)
+        return self._constants[key]
 
     @torch.no_grad()
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
