@@ -156,7 +156,7 @@ class TrainedPredictor:
         self.predictor = predictor
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
-        self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids, made once
+        self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids
 
     @property
     def nextgate(self) -> int:
