@@ -176,9 +176,8 @@ def evaluate_accuracy(traces: Sequence[Path], predictor_path: Path, train_traces
     tables = [metrics_table(hits, ev, budgets)]
     for d in range(2, max_depth + 1):
         deep = S.EvalSet(ev_table, make_examples(np.arange(len(ev_table)), meta.num_layers, (d,)))
-        usable = [s for s in scorers if s.name in DEEP_SCORERS and not (
-            s.name == "trained MLP" and d > predictor.spec.lookahead) and not (
-            s.name == "next-gate" and d > ev_table.nextgate_depth)]
+        reach = {"trained MLP": predictor.spec.lookahead, "next-gate": ev_table.nextgate_depth}  # deepest each scores
+        usable = [s for s in scorers if s.name in DEEP_SCORERS and d <= reach.get(s.name, d)]
         if progress:
             progress(f"scoring {len(usable)} scorers {d} layers ahead")
         tables.append(metrics_table({s.name: hits_at_budgets(s, deep, budgets) for s in usable}, deep, budgets, d))
