@@ -79,7 +79,8 @@ class OffloadEngine(ExpertsPlugin):
         if not settings.lookahead < self.L:
             raise ValueError(f"look-ahead must be in 1..{self.L - 1} layers, got {settings.lookahead}")
         # a trained predictor's heads reach ``lookahead`` layers; a host predictor (the oracle) has no such bound
-        depth = predictor.spec.lookahead if isinstance(predictor, ExpertPredictor) else getattr(predictor, "lookahead", None)
+        depth = (predictor.spec.lookahead if isinstance(predictor, ExpertPredictor)
+                 else getattr(predictor, "lookahead", None))
         if depth is not None and settings.lookahead > depth:
             raise ValueError(f"look-ahead {settings.lookahead} needs a predictor with heads that deep; this one has "
                              f"depth {depth} (duoserve-train fit --lookahead {settings.lookahead})")
