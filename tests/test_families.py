@@ -16,7 +16,7 @@ from duoserve import load_predictor
 from duoserve.features.examples import ExampleSet, load_routing, make_examples
 from duoserve.predictor.model import FAMILIES, ExpertPredictor, FeatureSpec
 from duoserve.trace import open_trace
-from duoserve.trace.format import META_KEY, TraceMeta, arrow_schema
+from duoserve.trace.format import META_KEY, TraceMeta, arrow_schema, nextgate_column
 from duoserve.train.fit import FitSettings, fit
 
 SMALL = dict(widths=(64,), epochs=1, batch_size=512, progress=False, clean=True)
@@ -92,10 +92,13 @@ def _as_version_1(trace, out):
     meta["version"] = 1
     out.mkdir()
     for f in trace.files:
-        table = pq.read_table(f).drop_columns(["nextgate_scores"])
-        ids = table.column("nextgate").combine_chunks().flatten().to_numpy().reshape(-1, L - 1, m)[..., :k]
-        column = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), (L - 1) * k)
-        table = table.set_column(table.schema.get_field_index("nextgate"), "nextgate", column)
+        table = pq.read_table(f)
+        table = table.drop_columns([c for c in table.column_names if c.startswith("nextgate_scores")])
+        for d in range(1, meta["lookahead"] + 1):  # every depth's ids cut to the router's top-k
+            name = nextgate_column(d)
+            ids = table.column(name).combine_chunks().flatten().to_numpy().reshape(-1, L - d, m)[..., :k]
+            column = pa.FixedSizeListArray.from_arrays(pa.array(ids.reshape(-1)), (L - d) * k)
+            table = table.set_column(table.schema.get_field_index(name), name, column)
         schema = arrow_schema(TraceMeta.from_bytes(json.dumps(meta).encode()))  # the version-1 schema, non-null
         pq.write_table(table.cast(schema).replace_schema_metadata({META_KEY: json.dumps(meta).encode()}), out / f.name)
     return open_trace(out)
