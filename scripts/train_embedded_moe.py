@@ -76,10 +76,24 @@ def packed_batches(texts: list[str], tokenizer: PreTrainedTokenizerFast, generat
                 yield blocks[chunk]
 
 
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss taken per layer, then averaged over layers (E * sum_e f_e * P_e,
+    k when balanced). transformers' own pools every layer's tokens first, which evens out expert e summed over
+    layers and leaves each layer free to crowd onto a few experts."""
+    losses = []
+    for logits in router_logits:  # T x E per layer
+        probs = logits.float().softmax(-1)  # T x E
+        chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)  # T x E, k ones a row
+        losses.append(probs.shape[1] * (chosen.mean(0) * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
 def train(model: torch.nn.Module, batches, steps: int, lr: float, warmup: int, start: float,
-          max_seconds: float | None = None) -> tuple[float, int]:
-    """AdamW with warm-up and cosine decay on the LM loss plus the router's load-balancing loss, on the model's
-    device; stops early once ``max_seconds`` since ``start`` have passed. Returns the last loss and steps done."""
+          max_seconds: float | None = None, per_layer_balance: float = 0.0) -> tuple[float, int]:
+    """AdamW with warm-up and cosine decay on the LM loss plus the router's load-balancing loss (transformers'
+    pooled one at the config's coefficient, and ``per_layer_balance`` times ``per_layer_balance_loss``), on the
+    model's device; stops early once ``max_seconds`` since ``start`` have passed. Returns the last loss and steps
+    done."""
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
@@ -87,14 +101,18 @@ def train(model: torch.nn.Module, batches, steps: int, lr: float, warmup: int, s
     for step in range(steps):
         x = next(batches).to(model.device)
         out = model(input_ids=x, labels=x, output_router_logits=True)
+        layer_aux = per_layer_balance_loss(out.router_logits, model.config.num_experts_per_tok) \
+            if per_layer_balance else None
+        loss = out.loss if layer_aux is None else out.loss + per_layer_balance * layer_aux
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
         late = max_seconds is not None and time.time() - start > max_seconds
         if step % 50 == 0 or step == steps - 1 or late:
-            print(f"step {step:5d}  loss {out.loss.item():.3f}  aux {out.aux_loss.item():.3f}  "
+            per_layer = "" if layer_aux is None else f"  per-layer aux {layer_aux.item():.3f}"
+            print(f"step {step:5d}  loss {out.loss.item():.3f}  aux {out.aux_loss.item():.3f}{per_layer}  "
                   f"{time.time() - start:.0f}s", flush=True)
         if late:
             print(f"stopped after {step + 1} of {steps} steps: the {max_seconds:.0f} s budget is spent", flush=True)

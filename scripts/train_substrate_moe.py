@@ -37,7 +37,7 @@ from transformers import PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCau
 from duoserve.data.tasks import TASKS
 
 VOCAB, SEQ, BATCH, STEPS, LR, WARMUP = 4096, 512, 32, 3000, 2e-3, 100
-ROWS_PER_TASK, DATA_SEED, SEED, AUX = 20_000, 1, 0, 0.02
+ROWS_PER_TASK, DATA_SEED, SEED, LAYER_AUX = 20_000, 1, 0, 0.05
 MAX_SOURCE_CHARS = 200_000  # longer standard-library files are cut: no one file dominates the text
 
 
@@ -60,7 +60,7 @@ def model_config(tokenizer: PreTrainedTokenizerFast, layers: int, experts: int, 
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden, moe_intermediate_size=hidden // 2,
         num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 8,
         num_experts=experts, num_experts_per_tok=top_k, decoder_sparse_step=1, mlp_only_layers=[],
-        norm_topk_prob=True, router_aux_loss_coef=AUX, output_router_logits=False,
+        norm_topk_prob=True, router_aux_loss_coef=0.0, output_router_logits=False,
         max_position_embeddings=4096, tie_word_embeddings=True,
         bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
@@ -68,7 +68,7 @@ def model_config(tokenizer: PreTrainedTokenizerFast, layers: int, experts: int, 
 
 def main(out: Path, steps: int, device: str, batch: int, rows_per_task: int, max_files: int | None,
          max_seconds: float | None = None, layers: int = 16, experts: int = 64, top_k: int = 8,
-         hidden: int = 256) -> None:
+         hidden: int = 256, layer_aux: float = LAYER_AUX) -> None:
     torch.manual_seed(SEED)
     start = time.time()
     texts = training_texts(rows_per_task, max_files)
@@ -83,10 +83,10 @@ def main(out: Path, steps: int, device: str, batch: int, rows_per_task: int, max
     print(f"{len(texts)} texts; tokenizer {len(tokenizer)} tokens; model {n_params / 1e6:.1f}M parameters; "
           f"{time.time() - start:.0f}s", flush=True)
     batches = packed_batches(texts, tokenizer, torch.Generator().manual_seed(SEED), SEQ, batch)
-    final_loss, done = train(model, batches, steps, LR, WARMUP, start, max_seconds)
+    final_loss, done = train(model, batches, steps, LR, WARMUP, start, max_seconds, layer_aux)
     save(model.float().cpu(), tokenizer, out, {
         "script": "scripts/train_substrate_moe.py", "steps": done, "planned_steps": steps, "seq": SEQ, "batch": batch,
-        "lr": LR, "warmup": WARMUP, "aux_loss_coef": AUX, "rows_per_task": rows_per_task, "stdlib_files": max_files or "all",
+        "lr": LR, "warmup": WARMUP, "per_layer_aux_loss_coef": layer_aux, "rows_per_task": rows_per_task, "stdlib_files": max_files or "all",
         "data_seed": DATA_SEED, "seed": SEED, "torch": torch.__version__, "python": sysconfig.get_python_version(),
         "device": torch.cuda.get_device_name(device) if device != "cpu" else "cpu",
         "seconds": round(time.time() - start), "final_loss": round(final_loss, 4),
@@ -103,6 +103,9 @@ if __name__ == "__main__":
     ap.add_argument("--stdlib-files", type=int, default=None, help="Use only the first N source files (smoke runs).")
     ap.add_argument("--max-seconds", type=float, default=None,
                     help="Stop training early after this long (from the start, data preparation included).")
+    ap.add_argument("--per-layer-aux", type=float, default=LAYER_AUX,
+                    help="Coefficient of the load-balancing loss taken per layer.")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     a = ap.parse_args()
-    main(a.out, a.steps, a.device, a.batch, a.rows_per_task, a.stdlib_files, a.max_seconds)
+    main(a.out, a.steps, a.device, a.batch, a.rows_per_task, a.stdlib_files, a.max_seconds,
+         layer_aux=a.per_layer_aux)

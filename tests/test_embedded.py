@@ -68,8 +68,8 @@ def test_next_layer_is_predictable_above_chance(health):
     assert health["affinity"]["at_least_half"] > max(0.45, 1.6 * health["random_at_least_half"]), health
 
 
-def test_training_script_is_bit_for_bit_reproducible(tmp_path):
-    """Two short runs of scripts/train_embedded_moe.py give identical weights and tokenizer."""
+@pytest.fixture(scope="module")
+def training_script():
     import importlib.util
     from pathlib import Path
 
@@ -77,8 +77,30 @@ def test_training_script_is_bit_for_bit_reproducible(tmp_path):
     spec = importlib.util.spec_from_file_location("train_embedded_moe", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_training_script_is_bit_for_bit_reproducible(tmp_path, training_script):
+    """Two short runs of scripts/train_embedded_moe.py give identical weights and tokenizer."""
     for run in ("a", "b"):
-        module.main(tmp_path / run, steps=6)
+        training_script.main(tmp_path / run, steps=6)
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
     assert (tmp_path / "a" / "tokenizer.json").read_bytes() == (EMBEDDED_MODEL / "tokenizer.json").read_bytes()
+
+
+def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses(training_script):
+    """Two layers that each crowd onto their own half of the experts look balanced to transformers' pooled loss
+    (pooled over layers every expert gets its share) but not to the per-layer one the substrate trains with."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    T, E, k = 256, 8, 2
+    balanced = torch.randn(T, E) * 0.01
+    lower = balanced.clone()
+    lower[:, : E // 2] += 5.0  # T x E: every token routes to experts 0-3
+    upper = balanced.clone()
+    upper[:, E // 2:] += 5.0  # and in the next layer to experts 4-7
+    per_layer = training_script.per_layer_balance_loss
+    assert per_layer((balanced, balanced), k).item() == pytest.approx(k, rel=0.02)
+    assert load_balancing_loss_func((lower, upper), E, k).item() == pytest.approx(k, rel=0.02)
+    assert per_layer((lower, upper), k).item() == pytest.approx(2 * k, rel=0.02)
