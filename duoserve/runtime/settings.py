@@ -23,8 +23,8 @@ class EngineSettings:
     ``gpu_expert_budget``: bytes of device memory for cached experts (at least top-k of them); replaces the default
     of (1 + lookahead) x k slots of the caching policies (duoserve, lru); the others hold what their schedule needs.
     ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a step
-    predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor scores the next layer
-    from the layers before it, so it needs d = 1; oracles take any d.
+    predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor needs heads that deep
+    (``duoserve-train fit --lookahead D`` with D >= d); oracles take any d.
     ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
     ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
     are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
