@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The predictor families side by side on one trace folder: decode exact-top-k on held-out requests, within and
 # across tasks, at look-ahead depths 1..D. CPU is enough: about 25 minutes on 2 cores for the embedded default,
-# 45 for the larger substrate (benchmarks/data/substrate/traces).
+# an hour for the larger substrate (benchmarks/data/substrate/traces).
 #
 #   bash benchmarks/families.sh [TRACES] [OUT]      # TRACES default: a fresh trace of the embedded default
 #   LOOKAHEAD=2 (default) sets D; the trace must record next-gate guesses that deep (duoserve-trace collect
