@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
 from duoserve.data.tasks import TASKS
 from duoserve.embedded import EMBEDDED_MODEL
@@ -76,16 +77,11 @@ def packed_batches(texts: list[str], tokenizer: PreTrainedTokenizerFast, generat
                 yield blocks[chunk]
 
 
-def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], top_k: int) -> torch.Tensor:
-    """Switch Transformer's load-balancing loss taken per layer, then averaged over layers (E * sum_e f_e * P_e,
-    k when balanced). transformers' own pools every layer's tokens first, which evens out expert e summed over
-    layers and leaves each layer free to crowd onto a few experts."""
-    losses = []
-    for logits in router_logits:  # T x E per layer
-        probs = logits.float().softmax(-1)  # T x E
-        chosen = torch.zeros_like(probs).scatter_(1, probs.topk(top_k, dim=-1).indices, 1.0)  # T x E, k ones a row
-        losses.append(probs.shape[1] * (chosen.mean(0) * probs.mean(0)).sum())
-    return torch.stack(losses).mean()
+def per_layer_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+    """transformers' load-balancing loss taken per layer, then averaged over layers (k when balanced). Given all
+    layers at once it pools their tokens first, which evens out expert e summed over layers and leaves each layer
+    free to crowd onto a few experts."""
+    return torch.stack([load_balancing_loss_func((logits,), num_experts, top_k) for logits in router_logits]).mean()
 
 
 def train(model: torch.nn.Module, batches, steps: int, lr: float, warmup: int, start: float,
@@ -101,8 +97,8 @@ def train(model: torch.nn.Module, batches, steps: int, lr: float, warmup: int, s
     for step in range(steps):
         x = next(batches).to(model.device)
         out = model(input_ids=x, labels=x, output_router_logits=True)
-        layer_aux = per_layer_balance_loss(out.router_logits, model.config.num_experts_per_tok) \
-            if per_layer_balance else None
+        layer_aux = per_layer_balance_loss(out.router_logits, model.config.num_experts,
+                                           model.config.num_experts_per_tok) if per_layer_balance else None
         loss = out.loss if layer_aux is None else out.loss + per_layer_balance * layer_aux
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -101,6 +101,6 @@ def test_per_layer_balance_loss_sees_what_the_pooled_loss_misses(training_script
     upper = balanced.clone()
     upper[:, E // 2:] += 5.0  # and in the next layer to experts 4-7
     per_layer = training_script.per_layer_balance_loss
-    assert per_layer((balanced, balanced), k).item() == pytest.approx(k, rel=0.02)
+    assert per_layer((balanced, balanced), E, k).item() == pytest.approx(k, rel=0.02)
     assert load_balancing_loss_func((lower, upper), E, k).item() == pytest.approx(k, rel=0.02)
-    assert per_layer((lower, upper), k).item() == pytest.approx(2 * k, rel=0.02)
+    assert per_layer((lower, upper), E, k).item() == pytest.approx(2 * k, rel=0.02)
