@@ -33,6 +33,7 @@ from duoserve.runtime.generation import timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.quant import EXPERT_DTYPES, make_store
 from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
 
 
@@ -51,6 +52,7 @@ class BenchSettings:
     routing: str = "router"  # router, random, or a trace folder to replay
     predictors: list[str] = field(default_factory=lambda: ["none"])  # none, oracle[:recall], or an artifact
     engine: EngineSettings = EngineSettings()  # the offload policies' cache budget, look-ahead, graphs, threshold
+    expert_dtypes: list[str] = field(default_factory=lambda: ["model"])  # host experts' formats (packed policies)
     seed: int = 0
     repeats: int = 1  # rounds over every configuration, interleaved, so drift and order show
 
@@ -59,11 +61,18 @@ class BenchSettings:
             raise ValueError(f"repeats must be at least 1, got {self.repeats}")
         if self.layers and not self.config_only:
             raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
+        for fmt in self.expert_dtypes:
+            if fmt not in EXPERT_DTYPES:
+                raise ValueError(f"unknown expert dtype {fmt!r}; choose from {', '.join(EXPERT_DTYPES)}")
 
     def run_count(self) -> int:
         """Timed runs of a bench with these settings (untimed warm-ups aside)."""
-        return self.repeats * len(self.batch_sizes) * sum(len(self.predictors) if p == "duoserve" else 1
-                                                         for p in self.policies)
+        return self.repeats * len(self.batch_sizes) * sum(
+            (len(self.predictors) if p == "duoserve" else 1) * len(self.dtypes_of(get_policy(p))) for p in self.policies)
+
+    def dtypes_of(self, policy: Policy) -> list[str]:
+        """The expert dtypes ``policy`` runs: every one asked for where it reads packed stores, else the model's."""
+        return self.expert_dtypes if policy.pinned and not policy.resident else ["model"]
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -141,9 +150,11 @@ def _predictor(spec: str, routing, E: int, device: torch.device, loaded: dict[st
     return loaded[spec] if spec in loaded else load_predictor(spec, device)
 
 
-def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, predictor: str, s: BenchSettings,
-               input_ids: torch.Tensor, new_tokens: int, loaded: dict[str, ExpertPredictor] | None = None) -> dict:
-    """One timed generation of ``policy`` (after a short warm-up), with the engine's counters. ``loaded``: trained
+def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, predictor: str, s: BenchSettings,
+               input_ids: torch.Tensor, new_tokens: int, loaded: dict[str, ExpertPredictor] | None = None,
+               expert_dtype: str = "model") -> dict:
+    """One timed generation of ``policy`` (after a short warm-up) on experts stored in ``expert_dtype``, with the
+    engine's counters. ``stores``: by expert dtype, and "modules" for the per-module policies. ``loaded``: trained
     predictors already read, by spec (others are read here)."""
     device = input_ids.device
     layers = find_moe_layers(model)
@@ -151,10 +162,10 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
     routing = _routing(s, g.num_layers, g.num_experts, g.top_k, device)
     mask = torch.ones_like(input_ids)
     if policy.resident:
-        put_experts(layers, stores[True], device)
+        put_experts(layers, stores["model"], device)
         plugin = ExpertsPlugin(model, routing)
     else:
-        plugin = OffloadEngine(model, stores[policy.pinned], policy,
+        plugin = OffloadEngine(model, stores[expert_dtype if policy.pinned else "modules"], policy,
                                _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
                                s.engine, device)
     try:
@@ -172,8 +183,8 @@ def run_policy(model, stores: dict[bool, list[HostExperts]], policy: Policy, pre
         del plugin
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    return {"policy": policy.name, "predictor": predictor if policy.predict else None,
-            "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
+    return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,
+            "dtype_fixed": not policy.pinned or policy.resident, "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
 
 
 def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
@@ -192,9 +203,12 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     want_modules = any(not p.pinned for p in policies)
     pairs = take_experts(layers, lambda p: (HostExperts.pack(p, pin) if want_packed else None,
                                             HostExperts.as_modules(p) if want_modules else None))
-    packed = [a for a, _ in pairs] if want_packed else None
-    stores = {True: packed, False: [b for _, b in pairs] if want_modules else None}
-    layout = (packed or stores[False])[0].layout
+    stores = {"model": [a for a, _ in pairs] if want_packed else None,
+              "modules": [b for _, b in pairs] if want_modules else None}
+    for fmt in {f for p in policies for f in s.dtypes_of(p)} - {"model"}:  # quantized from the model's own, there
+        say(f"quantizing the experts to {fmt}")
+        stores[fmt] = [make_store(store.params(device), fmt, pin) for store in stores["model"]]
+    layout = (stores["model"] or stores["modules"])[0].layout
     bandwidth = copy_bandwidth(device, layout.nbytes)
     model.to(device)
     if device.type == "cuda":
@@ -216,23 +230,25 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
             run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,
                        _new_tokens(s, policy), loaded)
         for round_ in range(s.repeats):
-            for policy in order:
-                for predictor in (s.predictors if policy.predict else ["none"]):
-                    say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor} B={batch}")
-                    run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy), loaded)
-                    run["round"] = round_
-                    # config-only models may keep fewer layers than the real one: per-layer figures scale
-                    run["per_moe_layer"] = {"ttft_s": run["ttft_s"] / geometry.num_layers,
-                                            "tpot_ms": run["tpot_ms"] / geometry.num_layers if run["tpot_ms"] else None}
-                    runs.append(run)
-                    if on_run:
-                        on_run(run)
+            for policy, fmt, predictor in ((p, f, q) for p in order for f in s.dtypes_of(p)
+                                           for q in (s.predictors if p.predict else ["none"])):
+                say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor}"
+                    f"{'' if fmt == 'model' else ' ' + fmt} B={batch}")
+                run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy), loaded, fmt)
+                run["round"] = round_
+                # config-only models may keep fewer layers than the real one: per-layer figures scale
+                run["per_moe_layer"] = {"ttft_s": run["ttft_s"] / geometry.num_layers,
+                                        "tpot_ms": run["tpot_ms"] / geometry.num_layers if run["tpot_ms"] else None}
+                runs.append(run)
+                if on_run:
+                    on_run(run)
     add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
     return {
         "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
         "model": s.model, "config_only": s.config_only, "dtype": str(layout.dtype),
         "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
-                     "expert_mb": layout.nbytes / 1e6},
+                     "expert_mb": layout.nbytes / 1e6,
+                     "stored_expert_mb": {f: stores[f][0].row_bytes / 1e6 for f in s.expert_dtypes if stores.get(f)}},
         "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
         "baseline_new_tokens": s.baseline_new_tokens, **asdict(s.engine),
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),

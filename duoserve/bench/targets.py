@@ -1,7 +1,9 @@
 """The bench's bounds and the runtime's acceptance targets, computed from a bench's runs.
 
 Bounds, per run: prefill >= max(prefill bytes / pinned bandwidth, all-resident TTFT); a decode
-step >= max(its bytes / pinned bandwidth, all-resident time per token).
+step >= max(its bytes / pinned bandwidth, all-resident time per token). Runs of experts stored quantized
+(``expert_dtype``) are compared with runs of the same dtype, and with the policies that have no dtype choice
+(all-resident, accelerate); their own targets are ratios against the model's dtype (``QUANT_TARGETS``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,15 @@ import statistics
 
 GB = 1e9
 BOUND_LIMIT = 1.15  # the runtime's target: prefill and decode within this factor of their bounds
+# quantized experts against the model's dtype, duoserve at B=1: (decode bytes per token, time per token) at most
+QUANT_TARGETS = {"fp8": (0.55, 0.65), "int4": (0.3, 0.45)}
 
 
 def _peers(a: dict, b: dict) -> bool:
-    """Runs that are compared: same batch size, same round."""
-    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"]
+    """Runs that are compared: same batch size, same round, same expert dtype unless one has no choice of it."""
+    dtypes = a.get("expert_dtype", "model") == b.get("expert_dtype", "model") or a.get("dtype_fixed", True) \
+        or b.get("dtype_fixed", True)
+    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"] and dtypes
 
 
 def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
@@ -36,7 +42,8 @@ def check_targets(runs: list[dict]) -> list[dict]:
     checks = []
     for run in (r for r in runs if r["policy"] == "duoserve"):
         same = {r["policy"]: r for r in runs if _peers(r, run) and r["policy"] != "duoserve"}
-        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"]}
+        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"],
+               "expert_dtype": run.get("expert_dtype", "model")}
         if "on-demand" in same and run["peak_gpu_bytes"] is not None:
             extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
             checks.append(_check(tag, "peak GPU memory <= on-demand + 0.3 GB", extra, at_most=0.3))
@@ -47,13 +54,24 @@ def check_targets(runs: list[dict]) -> list[dict]:
                                  same["accelerate"]["tpot_ms"] / run["tpot_ms"], at_least=1.4))
         for phase, key in (("prefill", "ttft_vs_bound"), ("decode", "tpot_vs_bound")):
             checks.append(_check(tag, f"{phase} within {BOUND_LIMIT}x of its bound", run[key], at_most=BOUND_LIMIT))
+        fmt = run.get("expert_dtype", "model")
+        base = next((r for r in runs if r["policy"] == "duoserve" and r.get("expert_dtype", "model") == "model"
+                     and r["predictor"] == run["predictor"] and r["batch_size"] == run["batch_size"]
+                     and r["round"] == run["round"]), None)
+        if fmt in QUANT_TARGETS and base is not None and run["batch_size"] == 1 and base["bytes_h2d"]["decode"]:
+            bytes_limit, tpot_limit = QUANT_TARGETS[fmt]
+            checks.append(_check(tag, f"{fmt} decode bytes per token <= {bytes_limit}x of the model dtype's",
+                                 run["bytes_h2d"]["decode"] / base["bytes_h2d"]["decode"], at_most=bytes_limit))
+            checks.append(_check(tag, f"{fmt} TPOT <= {tpot_limit}x of the model dtype's",
+                                 run["tpot_ms"] / base["tpot_ms"], at_most=tpot_limit))
     rounds: dict[tuple, list[dict]] = {}
     for c in checks:
-        rounds.setdefault((c["batch_size"], c["predictor"], c["target"]), []).append(c)
-    for (batch, predictor, target), group in rounds.items():
+        rounds.setdefault((c["batch_size"], c["predictor"], c["expert_dtype"], c["target"]), []).append(c)
+    for (batch, predictor, fmt, target), group in rounds.items():
         if len(group) > 1:
             limits = {k: group[0][k] for k in ("at_most", "at_least") if k in group[0]}
-            checks.append(_check({"batch_size": batch, "predictor": predictor, "round": "median"}, target,
+            checks.append(_check({"batch_size": batch, "predictor": predictor, "round": "median",
+                                  "expert_dtype": fmt}, target,
                                  statistics.median(c["value"] for c in group), **limits))
     return checks
 

@@ -146,10 +146,30 @@ EagerOption = Annotated[bool, typer.Option(
 MinScoreOption = Annotated[float, typer.Option(
     help="Decode prefetch (duoserve): copy ahead only predicted experts scored at least this, 0-1 (a trained "
          "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.", min=0.0, max=1.0)]
+PinOption = Annotated[Optional[str], typer.Option(
+    help="popularity:STATS (a duoserve-train stats file): keep the most popular experts resident for the whole run "
+         "(duoserve, lru), as many as the GPU expert budget holds beyond (1 + lookahead) x top-k; the rest of the "
+         "budget is the cache as usual.")]
 OutFolder = Annotated[Path, typer.Option(help="Output folder.")]
 
 
-def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_score: float) -> EngineSettings:
+def pin_keys(spec: Optional[str]) -> tuple[tuple[int, int], ...]:
+    """The (layer, expert) keys a --pin spec names, best first; () for none."""
+    if not spec:
+        return ()
+    kind, _, path = spec.partition(":")
+    if kind != "popularity" or not path:
+        raise ValueError(f"--pin {spec!r}: write popularity:STATS with STATS a duoserve-train stats file")
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--pin: no stats file at {path} (make one with duoserve-train stats TRACES --out F)")
+    from duoserve.features.stats import RoutingStats
+    from duoserve.runtime.cache import popular_keys
+
+    return tuple(popular_keys(RoutingStats.load(path).popularity))
+
+
+def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_score: float,
+                    pin: Optional[str] = None) -> EngineSettings:
     """The engine options of a command as one settings object."""
     return EngineSettings(gpu_expert_budget=parse_bytes(budget) if budget else None, lookahead=lookahead,
-                          eager=eager, prefetch_min_score=min_score)
+                          eager=eager, prefetch_min_score=min_score, pin=pin_keys(pin))

@@ -15,6 +15,7 @@ from duoserve.cli.common import (
     LookaheadOption,
     MinScoreOption,
     ModelOption,
+    PinOption,
     PolicyHelp,
     console,
     engine_settings,
@@ -28,6 +29,10 @@ from duoserve.cli.common import (
 from duoserve.embedded import EMBEDDED_NAME
 from duoserve.files import check_output
 from duoserve.runtime.policies import DEFAULT_POLICIES, POLICIES
+
+ExpertDtypeHelp = ("How host experts are stored and copied: model (the model's dtype), fp8 (e4m3, 128x128 block "
+                   "scales) or int4 (group-128 symmetric); quantized on load, dequantized on the device as they land "
+                   "(docs/runtime.md, 'Quantized experts').")
 
 app = new_app("Serve an MoE model with its experts in host memory: dual-phase offload (stage 5).")
 
@@ -54,6 +59,8 @@ def generate(
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
+    pin: PinOption = None,
+    expert_dtype: Annotated[str, typer.Option(help=ExpertDtypeHelp)] = "model",
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
     dtype: DtypeOption = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Also write the texts and figures here (JSON).")] = None,
@@ -66,9 +73,9 @@ def generate(
     with user_errors():
         if out:
             check_output(out)
-        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score)
+        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin)
         result = run_generate(model, prompt or default_prompts(), policy, predictor, new_tokens, settings, device,
-                              dtype)
+                              dtype, expert_dtype)
     for p, text in zip(result.prompts, result.texts):
         console.print(f"[bold]{p[-60:]!r}[/] -> {text!r}")
     timing, counters = result.timing, result.counters
@@ -81,6 +88,7 @@ def generate(
         figures.add_row("host-to-device GB (prefill / decode)",
                         f"{gb(counters['bytes_h2d']['prefill'])} / {gb(counters['bytes_h2d']['decode'])}")
         figures.add_row("decode cache hit rate", num(counters["hit_rate"]["decode"]))
+        figures.add_row("experts pinned", str(counters["pinned_experts"]))
         figures.add_row("stall waiting for copies (ms)", num(counters["stall_ms"], ".1f"))
         figures.add_row("predictor (ms)", num(counters["predictor_ms"], ".1f"))
         figures.add_row("expert copies via", counters["copy_path"])
@@ -117,6 +125,9 @@ def bench_cmd(
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
+    pin: PinOption = None,
+    expert_dtype: Annotated[Optional[list[str]], typer.Option(
+        help=f"Repeatable: {ExpertDtypeHelp} Each runs every packed-store policy. [default: model]")] = None,
     out: Annotated[Path, typer.Option(help="JSON result file (with the commit, machine and command).")]
     = Path("bench.json"),
 ) -> None:
@@ -130,7 +141,8 @@ def bench_cmd(
                           policies=policy or list(DEFAULT_POLICIES), batch_sizes=batch_size or [1],
                           prompt_len=prompt_len, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
-                          engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score))
+                          engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin),
+                          expert_dtypes=expert_dtype or ["model"])
         with progress("policies", total=s.run_count()) as update:
             result = bench(s, on_run=lambda run: update(advance=1), on_status=lambda text: update(description=text))
     _print_bench(result, rounds=s.repeats > 1)
@@ -144,12 +156,14 @@ def _print_bench(result: dict, rounds: bool) -> None:
                   f"pageable {num(bw['pageable_gbps'], '.1f')} GB/s; expert {result['geometry']['expert_mb']:.1f} MB, "
                   f"routing {result['routing']}")
     round_col = ["round"] if rounds else []
-    latency = table("latency and memory", "policy", "predictor", "B", *round_col, "TTFT s", "bound", "TPOT ms",
+    dtypes = len({r["expert_dtype"] for r in result["runs"]}) > 1
+    dtype_col = ["experts"] if dtypes else []
+    latency = table("latency and memory", "policy", *dtype_col, "predictor", "B", *round_col, "TTFT s", "bound", "TPOT ms",
                     "bound", "peak GB")
-    traffic = table("host-to-device copies", "policy", "predictor", "B", *round_col, "prefill GB", "decode GB",
+    traffic = table("host-to-device copies", "policy", *dtype_col, "predictor", "B", *round_col, "prefill GB", "decode GB",
                     "decode hits", "stall ms", "pred. ms")
     for r in result["runs"]:
-        who = (r["policy"], r["predictor"] or "-", str(r["batch_size"]), *([str(r["round"])] if rounds else []))
+        who = (r["policy"], *([r["expert_dtype"]] if dtypes else []), r["predictor"] or "-", str(r["batch_size"]), *([str(r["round"])] if rounds else []))
         latency.add_row(*who, num(r["ttft_s"]), num(r["prefill_bound_s"]), num(r["tpot_ms"], ".2f"),
                         num(r["decode_bound_ms"], ".2f"), gb(r["peak_gpu_bytes"]))
         if "bytes_h2d" in r:
@@ -161,9 +175,9 @@ def _print_bench(result: dict, rounds: bool) -> None:
         console.print("The CPU stood in for a GPU: bytes, hit rates and correctness carry over, times do not. The "
                       "runtime's targets are GPU targets and are not checked here (docs/runtime.md has the H200's).")
     elif result["targets"]:
-        targets = table("targets", "B", "predictor", *round_col, "target", "value", "met")
+        targets = table("targets", "B", *dtype_col, "predictor", *round_col, "target", "value", "met")
         for t in result["targets"]:
-            targets.add_row(str(t["batch_size"]), t["predictor"], *([str(t["round"])] if rounds else []),
+            targets.add_row(str(t["batch_size"]), *([t["expert_dtype"]] if dtypes else []), t["predictor"], *([str(t["round"])] if rounds else []),
                             t["target"], num(t["value"], ".2f"), "yes" if t["met"] else "[red]no[/]")
         console.print(targets)
 

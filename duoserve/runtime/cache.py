@@ -14,6 +14,9 @@ host only; kernels get slot ids from the engine.
 The cache also keeps the books of copies made ahead of a layer's router (``copy_ahead``): which
 experts were wanted for which layer, and, for predicted ones, how many the layer really used
 (``settle``, when its router has spoken).
+
+Pinned slots (``pin``: e.g. each layer's most popular experts, ``popular_keys``) are filled once and never
+chosen as victims; the other ``open_slots`` are managed as above. Callers size their work by ``room``.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from duoserve.runtime.store import ExpertLayout, HostExperts
@@ -37,6 +41,7 @@ class CacheStats:
     bytes: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     prefetched: int = 0  # copies made for a layer before its router ran
     prefetch_used: int = 0  # of those, experts the layer really routed to
+    pinned: int = 0  # experts kept resident for the cache's life (their copies are in no phase's bytes)
 
 
 class ExpertCache:
@@ -56,6 +61,7 @@ class ExpertCache:
         self.used = [0] * slots  # clock of each slot's last fetch or release
         self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
         self.wanted = [0.0] * slots
+        self.pinned: set[Key] = set()  # keys whose slots are never refilled
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
@@ -63,6 +69,28 @@ class ExpertCache:
     @property
     def slots(self) -> int:
         return len(self.key)
+
+    @property
+    def open_slots(self) -> int:
+        """Slots the cache manages (all but the pinned ones)."""
+        return self.slots - len(self.pinned)
+
+    def room(self, busy: set[Key] | frozenset = frozenset()) -> int:
+        """Open slots left for new experts while the ``busy`` keys stay (pinned ones take none of them)."""
+        return self.open_slots - len(busy - self.pinned)
+
+    def pin(self, keys: list[Key], stores: list[HostExperts]) -> None:
+        """Fill a slot with each of ``keys`` (layer, expert), on the copy stream, and keep them for the cache's life;
+        their copies count in no phase's bytes (``CacheStats.pinned``)."""
+        if len(keys) > self.slots - 1:
+            raise ValueError(f"cannot pin {len(keys)} experts in a cache of {self.slots} slots; leave at least one")
+        by_layer: dict[int, list[int]] = {}
+        for layer, e in keys:
+            by_layer.setdefault(layer, []).append(e)
+        for layer, experts in by_layer.items():
+            self.fetch(layer, experts, stores[layer], None, self.pinned)
+            self.pinned.update((layer, e) for e in experts)
+        self.stats.pinned = len(self.pinned)
 
     @property
     def nbytes(self) -> int:
@@ -75,17 +103,18 @@ class ExpertCache:
         """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), never one holding a
         key in ``keep``; one pass over the slots whatever the count (budgets reach hundreds of slots)."""
         ranked = [((-1.0, -1) if key is None else (self.wanted[s], self.used[s]), s)
-                  for s, key in enumerate(self.key) if key not in keep]
+                  for s, key in enumerate(self.key) if key not in keep and key not in self.pinned]
         if len(ranked) < count:
             raise RuntimeError(f"expert cache of {self.slots} slots cannot take {count} experts while {len(keep)} "
                                "must stay; raise the GPU expert budget")
         return [s for _, s in heapq.nsmallest(count, ranked)]
 
-    def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str, keep: set[Key], stream=None,
-              wanted: list[float] | None = None, seal: bool = True) -> list[int]:
+    def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str | None, keep: set[Key],
+              stream=None, wanted: list[float] | None = None, seal: bool = True) -> list[int]:
         """Copy ``experts`` of ``layer`` (none of them cached) from ``store`` into victim slots (never one holding a
         key in ``keep``) on ``stream`` (default: the copy stream); their slots. ``wanted``: each expert's score.
-        ``seal=False``: the caller queues more work on ``stream`` first, then calls ``seal``."""
+        ``phase``: whose copies and bytes they count as (None: nobody's). ``seal=False``: the caller queues more
+        work on ``stream`` first, then calls ``seal``."""
         stream = stream or self.streams.copy
         slots, waited = self.victims(len(experts), keep), set()
         self.clock += 1
@@ -98,8 +127,9 @@ class ExpertCache:
             store.copy_into(e, self._rows[s], self.streams, stream)
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-        self.stats.copies[phase] += len(slots)
-        self.stats.bytes[phase] += len(slots) * self.layout.nbytes
+        if phase is not None:
+            self.stats.copies[phase] += len(slots)
+            self.stats.bytes[phase] += len(slots) * store.row_bytes
         if seal:
             self.seal(slots, stream)
         return slots
@@ -118,9 +148,9 @@ class ExpertCache:
             self.free[s], self.used[s], self.wanted[s] = event, self.clock, 0.0
 
     def forget(self) -> None:
-        """Drop every key (the slots' contents stay until refilled)."""
-        self.slot_of.clear()
-        self.key = [None] * self.slots
+        """Drop every key but the pinned ones (the slots' contents stay until refilled)."""
+        self.slot_of = {key: s for key, s in self.slot_of.items() if key in self.pinned}
+        self.key = [key if key in self.pinned else None for key in self.key]
 
     def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:
         """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
@@ -139,7 +169,7 @@ class ExpertCache:
         """Copy the best-ranked (expert, score) pairs of ``layer`` before its router runs, as many as the cache holds
         besides the ``busy`` keys (which stay), on the copy stream; cached ones only get their score raised.
         ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
-        ranked = ranked[:self.slots - len(busy)]
+        ranked = ranked[:self.room(set(busy))]
         self._wanted_for.setdefault(layer, set()).update(e for e, _ in ranked)
         fetch = []
         for e, score in ranked:
@@ -159,3 +189,11 @@ class ExpertCache:
         """Make the compute stream wait until ``slots``' copies have landed (a group's slots share one event)."""
         for event in {id(e): e for e in (self.ready[s] for s in slots)}.values():
             self.streams.wait(self.streams.compute, event)
+
+
+def popular_keys(popularity: np.ndarray) -> list[Key]:
+    """Every (layer, expert), most often routed to first: the order to pin them in. ``popularity``: L x E, each
+    layer's share of its tokens' selections (``duoserve-train stats``), so layers compare on one scale."""
+    L, E = popularity.shape
+    order = np.argsort(-popularity, axis=None, kind="stable")  # L*E flat positions, most popular first
+    return [(int(i // E), int(i % E)) for i in order]

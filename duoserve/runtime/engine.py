@@ -88,6 +88,8 @@ class OffloadEngine(ExpertsPlugin):
         self.streams = Streams(self.device)
         self.timers = EngineTimers(self.streams)
         self.cache = ExpertCache(stores[0].layout, self._capacity(), self.streams)
+        if settings.pin:
+            self._pin(settings.pin)
         self.compute = SlotCompute([layer.experts for layer in self.layers], self.cache, self.streams, self.timers,
                                    graphs=not settings.eager and graphs_supported(stores[0].layout.dtype, self.device))
         self.grouped = GroupedFetch(self.cache, stores, self.streams, self.timers, self.compute, policy.overlap)
@@ -103,6 +105,18 @@ class OffloadEngine(ExpertsPlugin):
                 raise ValueError(f"a GPU expert budget of {budget / 1e9:.2f} GB holds {slots} experts of "
                                  f"{nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
         return min(slots, self.L * self.E)
+
+    def _pin(self, keys: tuple[tuple[int, int], ...]) -> None:
+        """Pin the first of ``keys`` the budget holds beyond the slots the cache's own work needs."""
+        if not self.policy.reuse or self.policy.prefetch_layer:
+            raise ValueError(f"policy {self.policy.name} keeps no cache to pin experts in (duoserve and lru do)")
+        if bad := [key for key in keys if not (0 <= key[0] < self.L and 0 <= key[1] < self.E)]:
+            raise ValueError(f"pinned expert {bad[0]} is not a (layer, expert) of this model's {self.L} x {self.E}")
+        count = self.cache.slots - default_capacity(self.policy, self.E, self.k, self.settings.lookahead)
+        if count <= 0:
+            raise ValueError(f"a GPU expert budget of {self.cache.slots} experts leaves none to pin beyond the "
+                             f"{self.cache.slots - count} the cache needs; raise --gpu-expert-budget")
+        self.cache.pin(list(keys[:count]), self.stores)
 
     def _prefetch_plan(self, predictor) -> DecodePrefetch:
         if isinstance(predictor, ExpertPredictor):
@@ -141,7 +155,7 @@ class OffloadEngine(ExpertsPlugin):
         hits = cache.resident(l, routing.needed, self.phase)
         missing = [e for e in routing.needed if e not in hits]
         ranked, prefetched = None, False  # the predicted experts, best first; their copies are queued
-        if self.phase == "decode" and len(routing.needed) <= cache.slots:
+        if self.phase == "decode" and len(missing) <= cache.room({(l, e) for e in hits}):
             # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
             with cpu("queue fetches"):
                 keep = {(l, e) for e in routing.needed}
@@ -151,7 +165,7 @@ class OffloadEngine(ExpertsPlugin):
             scores = plan.launch(l, hidden, idx, routed, targets) if plan is not None else None
             if targets and plan.on_host:  # its guesses are on the host already
                 ranked = plan.rank(scores)
-                if sum(map(len, ranked)) <= cache.slots - len(keep):
+                if sum(map(len, ranked)) <= cache.room(keep):
                     # room beside this layer's experts: layer l+1's copies are queued before this layer's compute,
                     # as at B=1 the copies bound a step
                     plan.copy(targets, ranked, busy=keep)
@@ -171,13 +185,13 @@ class OffloadEngine(ExpertsPlugin):
             # so many pairs route nearly every expert (uniform routing leaves one unused with odds e^-8), so the
             # copy stream fills the gap while the host reaches layer l+1's router with experts it will compute first
             with cpu("queue prefetch"):
-                cache.copy_ahead(l + 1, [(e, 1.0) for e in range(min(cache.slots, self.E))], self.stores[l + 1],
+                cache.copy_ahead(l + 1, [(e, 1.0) for e in range(min(cache.open_slots, self.E))], self.stores[l + 1],
                                  self.phase, predicted=False)
         return out
 
     def reset_stats(self) -> None:
         self.streams.synchronize()
-        self.cache.stats = type(self.cache.stats)()
+        self.cache.stats = type(self.cache.stats)(pinned=len(self.cache.pinned))
         self.timers.reset()
 
     def stats(self) -> dict:
@@ -186,7 +200,7 @@ class OffloadEngine(ExpertsPlugin):
         copies were queued (``Streams.copy_path``)."""
         s = self.cache.stats
         return {
-            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes,
+            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes, "pinned_experts": s.pinned,
             "bytes_h2d": dict(s.bytes), "copies": dict(s.copies),
             "hit_rate": {p: s.hits[p] / s.lookups[p] if s.lookups[p] else None for p in s.lookups},
             "prefetched": s.prefetched,

@@ -21,18 +21,31 @@ from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.quant import EXPERT_DTYPES, make_store
 from duoserve.runtime.store import HostExperts, put_experts, take_experts
 
 
-def offload(model: nn.Module, policy: Policy, device: torch.device | str) -> list[HostExperts]:
+def offload(model: nn.Module, policy: Policy, device: torch.device | str,
+            expert_dtype: str = "model") -> list[HostExperts]:
     """Move ``model``'s routed experts to host stores of the kind ``policy`` reads, the rest to ``device``.
 
-    Packed stores are pinned when ``device`` is a GPU. ``duoserve.runtime.store.put_experts`` undoes it.
+    Packed stores are pinned when ``device`` is a GPU, and hold the experts in ``expert_dtype`` (``quant.py``:
+    the model's own, fp8 or int4; quantized on ``device`` a layer at a time). ``duoserve.runtime.store.put_experts``
+    undoes it, with quantized experts put back dequantized.
     """
     device = torch.device(device)
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"unknown expert dtype {expert_dtype!r}; choose from {', '.join(EXPERT_DTYPES)}")
     layers = find_moe_layers(model)
     if policy.pinned:
-        stores = take_experts(layers, lambda p: HostExperts.pack(p, pin=device.type == "cuda"))
+        def store(params: dict[str, torch.Tensor]) -> HostExperts:
+            if expert_dtype != "model":
+                params = {n: p.to(device) for n, p in params.items()}
+            return make_store(params, expert_dtype, pin=device.type == "cuda")
+        stores = take_experts(layers, store)
+    elif expert_dtype != "model":
+        raise ValueError(f"policy {policy.name} copies the model's own parameters; quantized experts "
+                         f"({expert_dtype}) need a policy with packed stores")
     else:
         stores = take_experts(layers, HostExperts.as_modules)
     model.to(device)
@@ -104,9 +117,10 @@ class Generation:
 
 def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predictor: str | Path | None = None,
              new_tokens: int = 64, settings: EngineSettings = EngineSettings(), device: str = "auto",
-             dtype: str = "auto") -> Generation:
-    """Load ``model`` (hub id, path or 'embedded'), offload its experts under ``policy`` and generate greedily from
-    ``prompts`` (a batch) with the predictor artifact at ``predictor``; the model is put back together after."""
+             dtype: str = "auto", expert_dtype: str = "model") -> Generation:
+    """Load ``model`` (hub id, path or 'embedded'), offload its experts under ``policy`` (stored in ``expert_dtype``)
+    and generate greedily from ``prompts`` (a batch) with the predictor artifact at ``predictor``; the model is put
+    back together after."""
     chosen = get_policy(policy)
     scorer = load_predictor(predictor) if predictor else None
     target = resolve_device(device)
@@ -115,7 +129,7 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
         net.to(target)
         plugin, stores = ExpertsPlugin(net), None
     else:
-        stores = offload(net, chosen, target)
+        stores = offload(net, chosen, target, expert_dtype)
         plugin = OffloadEngine(net, stores, chosen, scorer, settings=settings, device=target)
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
     try:

@@ -49,9 +49,9 @@ class GroupedFetch:
         its experts: host-to-device copies run in order, so rows uploaded on the compute stream would wait behind
         the next group's copies, and this group's compute with them."""
         cache, stream, timers = self.cache, self.stream, self.timers
-        chunk = max(1, cache.slots // 2)
+        chunk = max(1, cache.open_slots // 2)
         groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
-        depth = 2 if self.overlap and 2 * chunk <= cache.slots else 1  # groups fetched, not computed
+        depth = 2 if self.overlap and 2 * chunk <= cache.open_slots else 1  # groups fetched, not computed
         queued: list[tuple[dict[int, int], PairRows]] = []  # (expert -> slot, rows) of each fetched group
         for i in range(len(groups)):
             with timers.stall.span():

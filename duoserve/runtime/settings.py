@@ -28,17 +28,22 @@ class EngineSettings:
     ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
     ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
     are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
+    ``pin``: (layer, expert) keys to keep resident for the whole run, best first (``cache.popular_keys``): as many
+    as the budget holds beyond the (1 + lookahead) x k slots the cache needs for its own work; needs a budget.
     """
 
     gpu_expert_budget: int | None = None
     lookahead: int = 1
     eager: bool = False
     prefetch_min_score: float = 0.0
+    pin: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
             raise ValueError(f"the GPU expert budget must be positive, got {self.gpu_expert_budget} bytes")
         if self.lookahead < 1:
             raise ValueError(f"look-ahead must be at least 1 layer, got {self.lookahead}")
+        if self.pin and self.gpu_expert_budget is None:
+            raise ValueError("pinning experts needs a GPU expert budget (--gpu-expert-budget) to pin them in")
         if not 0.0 <= self.prefetch_min_score <= 1.0:
             raise ValueError(f"the prefetch minimum score must be in [0, 1], got {self.prefetch_min_score}")

@@ -83,6 +83,11 @@ class HostExperts:
         """The parameters as they are (moved to pageable host memory if elsewhere)."""
         return cls(ExpertLayout.of(params), modules={n: p.cpu().contiguous() for n, p in params.items()})
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes one expert's copy moves (a quantized store's are fewer than the cache slot's)."""
+        return self.layout.nbytes
+
     def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
         """Queue the copy of ``expert`` into a device slot (a P row) on ``stream``: one asynchronous copy when
         packed and pinned, else one blocking copy per parameter."""

@@ -1,0 +1,204 @@
+"""Quantized experts: fewer bytes per expert in host memory and over PCIe, dequantized on the device as they land.
+
+Shape legend: E experts, R x C one weight matrix of an expert, Q bytes of one stored expert, P elements of
+the cache's (unquantized) packed expert, n experts at once.
+
+Formats (``EXPERT_DTYPES``):
+  model the model's own dtype (bf16 on a GPU), as it is: no codec (``HostExperts.pack``).
+  fp8   float8 e4m3 with one float32 scale per 128 x 128 block of each weight matrix (a whole dimension where it is
+        not a multiple of 128), the scale being what a block's fp8 values are multiplied by: the layout of the
+        official FP8 checkpoints (Qwen3-30B-A3B-FP8's ``weight_scale_inv``). 1 byte a weight plus 1/4096 of scales.
+  int4  weight-only, symmetric, one float32 scale per group of 128 consecutive weights along a matrix's last
+        dimension (transformers' input dimension; the whole row where it is not a multiple of 128), values -8..7
+        stored as value + 8, two per byte, low nibble first (GPTQ's symmetric packing). 0.5 byte a weight + 1/32.
+Parameters of one dimension per expert (biases) are stored unquantized.
+
+An expert is one row of Q bytes (``QuantLayout``: where each parameter's codes and scales sit, 16-byte aligned).
+A fetch copies those bytes to a device staging row and, on the same stream, dequantizes them into the cache slot
+(the cache keeps the model's dtype, so the expert kernels are unchanged: a dequantize-then-grouped-GEMM path).
+Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4): two or three
+launches, on the copy stream, behind the copy they depend on. ``dequantize`` is the one implementation, used by
+the engine and by the reference model the tests compare against, so both round the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from duoserve.runtime.store import ExpertLayout, HostExperts
+from duoserve.runtime.streams import Streams
+
+EXPERT_DTYPES = ("model", "fp8", "int4")
+BLOCK = 128  # fp8 block side and int4 group size
+_ALIGN = 16  # bytes: every segment of a stored row starts 16-byte aligned (fp32 scales, vector loads)
+_FP8 = torch.float8_e4m3fn
+_FP8_MAX = torch.finfo(_FP8).max  # 448
+
+
+def _block(dim: int) -> int:
+    return BLOCK if dim % BLOCK == 0 else dim
+
+
+def _aligned(nbytes: int) -> int:
+    return math.ceil(nbytes / _ALIGN) * _ALIGN
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One parameter in a stored row: its codes at ``offset`` (``nbytes``), its scales after them (``scale_nbytes``)."""
+
+    name: str
+    shape: tuple[int, ...]  # per expert
+    kind: str  # fp8, int4 or raw (stored in the model's dtype)
+    offset: int
+    nbytes: int
+    scale_offset: int
+    scale_nbytes: int
+
+    @property
+    def scale_shape(self) -> tuple[int, int]:
+        R, C = self.shape
+        return (R // _block(R), C // _block(C)) if self.kind == "fp8" else (R, C // _block(C))
+
+
+@dataclass(frozen=True)
+class QuantLayout:
+    """Where each parameter of one expert sits in its stored row of ``nbytes`` (Q) bytes."""
+
+    fmt: str
+    segments: tuple[Segment, ...]
+    nbytes: int
+
+    @classmethod
+    def of(cls, layout: ExpertLayout, fmt: str) -> QuantLayout:
+        if fmt not in EXPERT_DTYPES[1:]:
+            raise ValueError(f"unknown expert dtype {fmt!r}; choose from {', '.join(EXPERT_DTYPES)}")
+        segments, offset = [], 0
+        for name, shape in zip(layout.names, layout.shapes):
+            numel = math.prod(shape)
+            kind = fmt if len(shape) == 2 and (fmt == "fp8" or shape[1] % 2 == 0) else "raw"
+            nbytes = {"fp8": numel, "int4": numel // 2, "raw": numel * layout.dtype.itemsize}[kind]
+            scales = 0
+            if kind != "raw":
+                R, C = shape
+                scales = 4 * (R // _block(R) if kind == "fp8" else R) * (C // _block(C))
+            segments.append(Segment(name, shape, kind, offset, nbytes, offset + _aligned(nbytes), scales))
+            offset += _aligned(nbytes) + _aligned(scales)
+        return cls(fmt, tuple(segments), offset)
+
+
+def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes (n x bytes, uint8) and float32 scales (n x ...) of n matrices ``w`` (n x R x C) in format ``kind``."""
+    n, R, C = w.shape
+    w = w.float()
+    if kind == "fp8":
+        br, bc = _block(R), _block(C)
+        blocks = w.view(n, R // br, br, C // bc, bc)
+        scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / _FP8_MAX  # n x R/br x C/bc
+        codes = (blocks / scale[:, :, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)  # n x R/br x br x C/bc x bc
+        return codes.view(n, -1).view(torch.uint8), scale
+    g = _block(C)
+    groups = w.view(n, R, C // g, g)
+    scale = groups.abs().amax(dim=3).clamp_min(1e-12) / 7  # n x R x C/g
+    q = (groups / scale[..., None]).round().clamp(-8, 7).to(torch.int16).add(8).view(n, R, C // 2, 2)  # 0..15
+    codes = (q[..., 0] | (q[..., 1] << 4)).to(torch.uint8)  # n x R x C/2
+    return codes.view(n, -1), scale
+
+
+_LUTS: dict[tuple, torch.Tensor] = {}
+
+
+def _int4_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """256 x 2: the two signed values (low nibble, high nibble) of each byte, in ``dtype``."""
+    key = (dtype, device)
+    if key not in _LUTS:
+        byte = torch.arange(256)
+        _LUTS[key] = torch.stack([byte & 15, byte >> 4], dim=1).sub(8).to(dtype=dtype, device=device)
+    return _LUTS[key]
+
+
+def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout, out: torch.Tensor) -> None:
+    """Write n stored rows (n x Q uint8) into n packed rows ``out`` (n x P, the cache's dtype), on the current
+    stream of their device."""
+    n = len(stored)
+    views = layout.views(out)
+    for seg in qlayout.segments:
+        codes = stored[:, seg.offset:seg.offset + seg.nbytes]
+        dst = views[seg.name]  # n x shape
+        if seg.kind == "raw":
+            dst.copy_(codes.contiguous().view(layout.dtype).view(dst.shape))
+            continue
+        scale = stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes].contiguous().view(torch.float32)
+        R, C = seg.shape
+        if seg.kind == "fp8":
+            br, bc = _block(R), _block(C)
+            blocks = dst.view(n, R // br, br, C // bc, bc)
+            blocks.copy_(codes.contiguous().view(_FP8).view(blocks.shape))  # exact: every e4m3 value is a bf16 value
+            blocks.mul_(scale.view(n, R // br, 1, C // bc, 1))
+        else:
+            g = _block(C)
+            values = _int4_lut(dst.dtype, dst.device).index_select(0, codes.reshape(-1).int())  # (n*R*C/2) x 2
+            torch.mul(values.view(n, R, C // g, g), scale.view(n, R, C // g, 1), out=dst.view(n, R, C // g, g))
+
+
+class QuantizedExperts(HostExperts):
+    """One MoE layer's routed experts stored quantized (``stored``: E x Q uint8, pinned with a GPU); a fetch copies
+    an expert's Q bytes and dequantizes them into the cache's slot row (see the module docstring)."""
+
+    def __init__(self, layout: ExpertLayout, qlayout: QuantLayout, stored: torch.Tensor):
+        super().__init__(layout, packed=stored)
+        self.qlayout = qlayout
+        self._staging: dict[tuple, torch.Tensor] = {}  # (device, stream) -> Q bytes: stream order keeps it safe
+
+    @property
+    def fmt(self) -> str:
+        return self.qlayout.fmt
+
+    @property
+    def row_bytes(self) -> int:
+        return self.qlayout.nbytes
+
+    @classmethod
+    def quantize(cls, params: dict[str, torch.Tensor], fmt: str, pin: bool) -> QuantizedExperts:
+        """``params`` (E x ... each, on any device: quantized there, a GPU being fastest) stored in ``fmt``."""
+        layout = ExpertLayout.of(params)
+        qlayout = QuantLayout.of(layout, fmt)
+        E = len(next(iter(params.values())))
+        stored = torch.zeros(E, qlayout.nbytes, dtype=torch.uint8, pin_memory=pin)  # E x Q
+        for seg in qlayout.segments:
+            p = params[seg.name]
+            if seg.kind == "raw":
+                stored[:, seg.offset:seg.offset + seg.nbytes] = p.reshape(E, -1).contiguous().view(torch.uint8).cpu()
+                continue
+            codes, scale = quantize(p, seg.kind)
+            stored[:, seg.offset:seg.offset + seg.nbytes] = codes.cpu()
+            stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes] = \
+                scale.reshape(E, -1).contiguous().view(torch.uint8).cpu()
+        return cls(layout, qlayout, stored)
+
+    def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
+        """Queue on ``stream`` the copy of ``expert``'s stored bytes to a staging row and their dequantization into
+        the slot (a P row)."""
+        key = (slot_row.device, id(stream))
+        if key not in self._staging:
+            self._staging[key] = torch.empty(self.row_bytes, dtype=torch.uint8, device=slot_row.device)
+        staging = self._staging[key]
+        streams.copy_to_device(staging, self._rows[expert], stream)
+        with streams.on(stream):
+            dequantize(staging[None], self.qlayout, self.layout, slot_row[None])
+
+    def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+        """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
+        rows = torch.empty(len(self.packed), self.layout.numel, dtype=self.layout.dtype, device=device)  # E x P
+        dequantize(self.packed.to(device), self.qlayout, self.layout, rows)
+        return {n: v.contiguous() for n, v in self.layout.views(rows).items()}
+
+
+def make_store(params: dict[str, torch.Tensor], fmt: str, pin: bool) -> HostExperts:
+    """A packed host store of ``params`` in expert dtype ``fmt`` (``EXPERT_DTYPES``)."""
+    if fmt == "model":
+        return HostExperts.pack(params, pin)
+    return QuantizedExperts.quantize(params, fmt, pin)
