@@ -17,7 +17,7 @@ from duoserve.loading import load_model
 from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, timed_generate
 from duoserve.runtime.cache import ExpertCache, popular_keys
 from duoserve.runtime.quant import BLOCK, QuantizedExperts, QuantLayout, dequantize, quantize
-from duoserve.runtime.store import ExpertLayout, HostExperts, put_experts
+from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
@@ -30,8 +30,8 @@ def embedded():
     return load_model("embedded", device="cpu")
 
 
-def _generate(model, tokenizer, new_tokens: int = 12):
-    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+def _generate(model, tokenizer, new_tokens: int = 12, device: str = "cpu"):
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(device)
     return timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens)[0]
 
 
@@ -88,32 +88,53 @@ def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_r
         assert cache.stats.bytes["decode"] == store.row_bytes  # the bytes that crossed, not the slot's
 
 
+def _quantized_runs(model, tokenizer, fmt: str, device: str) -> tuple[torch.Tensor, dict, int]:
+    """The dequantized model's tokens (all-resident), and each packed policy's (tokens, stats) on the same stores;
+    and the model dtype's bytes of one expert."""
+    layers = find_moe_layers(model)
+    model.to(device)
+    stores = offload(model, POLICIES["lru"], device, fmt)
+    put_experts(layers, stores, device)  # the model holds the dequantized experts: the reference
+    reference = _generate(model, tokenizer, device=device)
+    drop_experts(layers)
+    runs = {}
+    try:
+        for name in PACKED:
+            with OffloadEngine(model, stores, POLICIES[name]) as engine:
+                runs[name] = (_generate(model, tokenizer, device=device), engine.stats())
+    finally:
+        put_experts(layers, stores, device)
+    return reference, runs, stores[0].layout.nbytes
+
+
+def _check_quantized_runs(reference, runs, row_bytes: int, model_bytes: int) -> None:
+    for name, (tokens, stats) in runs.items():
+        assert torch.equal(tokens, reference), name
+        assert stats["bytes_h2d"]["decode"] == stats["copies"]["decode"] * row_bytes  # stored bytes crossed
+        assert row_bytes < model_bytes
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_quantized_experts_generate_the_dequantized_models_tokens(embedded, fmt):
     model, tokenizer = copy.deepcopy(embedded[0]), embedded[1]
     original = _generate(model, tokenizer)
-    layers = find_moe_layers(model)
-    stores = offload(model, POLICIES["on-demand"], "cpu", fmt)
-    put_experts(layers, stores, "cpu")  # the model now holds the dequantized experts: the reference
-    reference = _generate(model, tokenizer)
-    model_bytes = stores[0].layout.nbytes
-    for name in PACKED:
-        policy = POLICIES[name]
-        stores = offload(model, policy, "cpu", fmt)
-        try:
-            with OffloadEngine(model, stores, policy) as engine:
-                tokens = _generate(model, tokenizer)
-                stats = engine.stats()
-        finally:
-            put_experts(layers, stores, "cpu")
-        assert torch.equal(tokens, reference), (fmt, name)
-        assert stats["bytes_h2d"]["decode"] == stats["copies"]["decode"] * stores[0].row_bytes < \
-            stats["copies"]["decode"] * model_bytes
-    # quantizing the dequantized experts again changes nothing: the reference is a fixed point of the codec
-    assert torch.equal(_generate(model, tokenizer), reference)
-    # and it is a quantized model: its greedy tokens agree with the original's more for fp8 than chance
+    reference, runs, model_bytes = _quantized_runs(model, tokenizer, fmt, "cpu")
+    row_bytes = QuantLayout.of(ExpertLayout.of(expert_params(find_moe_layers(model)[0].experts)), fmt).nbytes
+    _check_quantized_runs(reference, runs, row_bytes, model_bytes)
+    # a quantized model still: its greedy tokens mostly agree with the original's, fp8's more than int4's may
     agree = (reference == original).float().mean().item()
     assert agree > (0.9 if fmt == "fp8" else 0.5), agree
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="copies dequantized on the copy stream need a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_quantized_experts_on_cuda_generate_the_dequantized_models_tokens(embedded, fmt):
+    model, tokenizer = copy.deepcopy(embedded[0]), embedded[1]
+    model.to(torch.bfloat16)
+    reference, runs, model_bytes = _quantized_runs(model, tokenizer, fmt, "cuda")
+    row_bytes = QuantLayout.of(ExpertLayout.of(expert_params(find_moe_layers(model)[0].experts)), fmt).nbytes
+    _check_quantized_runs(reference, runs, row_bytes, model_bytes)
 
 
 def test_quantized_logits_are_closer_for_fp8_than_int4(embedded):

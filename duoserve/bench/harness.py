@@ -187,17 +187,12 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
             "dtype_fixed": not policy.pinned or policy.resident, "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
 
 
-def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
-          on_status: Callable[[str], None] | None = None) -> dict:
-    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict. ``on_run`` gets each
-    timed run's result, ``on_status`` a line saying what runs next (untimed warm-ups included)."""
-    say = on_status or (lambda text: None)
-    policies = [get_policy(p) for p in s.policies]
-    loaded = _load_predictors(s.predictors, s.routing)
-    device = resolve_device(s.device)
+def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
+            say: Callable[[str], None]) -> tuple[torch.nn.Module, dict[str, list[HostExperts]], dict]:
+    """The model on ``device`` with its experts taken off into the host stores ``policies`` read (``run_policy``'s
+    ``stores``: by expert dtype, "modules" for the per-module policies), and the copy bandwidth of one expert."""
     model = build_model(s, device)
     layers = find_moe_layers(model)
-    geometry = moe_geometry(model, layers)
     pin = device.type == "cuda"
     want_packed = any(p.pinned for p in policies)
     want_modules = any(not p.pinned for p in policies)
@@ -208,13 +203,27 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     for fmt in {f for p in policies for f in s.dtypes_of(p)} - {"model"}:  # quantized from the model's own, there
         say(f"quantizing the experts to {fmt}")
         stores[fmt] = [make_store(store.params(device), fmt, pin) for store in stores["model"]]
-    layout = (stores["model"] or stores["modules"])[0].layout
-    bandwidth = copy_bandwidth(device, layout.nbytes)
+    bandwidth = copy_bandwidth(device, (stores["model"] or stores["modules"])[0].layout.nbytes)
     model.to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     gc.collect()
     gc.freeze()  # the model's many objects: out of the collector's way during timed runs
+    return model, stores, bandwidth
+
+
+def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
+          on_status: Callable[[str], None] | None = None) -> dict:
+    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict. ``on_run`` gets each
+    timed run's result, ``on_status`` a line saying what runs next (untimed warm-ups included)."""
+    say = on_status or (lambda text: None)
+    policies = [get_policy(p) for p in s.policies]
+    loaded = _load_predictors(s.predictors, s.routing)
+    device = resolve_device(s.device)
+    model, stores, bandwidth = prepare(s, policies, device, say)
+    layers = find_moe_layers(model)
+    geometry = moe_geometry(model, layers)
+    layout = (stores["model"] or stores["modules"])[0].layout
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(s.seed)
     runs = []
