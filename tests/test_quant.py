@@ -80,12 +80,17 @@ def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_r
         store = QuantizedExperts.quantize(params, fmt, pin=False)
         assert store.row_bytes <= ratio * plain.row_bytes
         assert torch.equal(store.params()["bias"], params["bias"])  # one-dimensional: stored as it is
-        cache = ExpertCache(plain.layout, slots=2, streams=Streams(torch.device("cpu")))
-        (slot,) = cache.fetch(0, [3], store, "decode", keep=set())
         reference = store.params()
-        for name in params:
-            assert torch.equal(cache.views[name][slot], reference[name][3]), (fmt, name)
-        assert cache.stats.bytes["decode"] == store.row_bytes  # the bytes that crossed, not the slot's
+        # one expert; a group in one pass; in passes of two; each straight into its slot (experts over STAGE_BYTES)
+        for chunk, experts in ((store.chunk, [3]), (store.chunk, [3, 0, 2]), (2, [3, 0, 2]), (1, [3, 0, 2])):
+            store.chunk = chunk
+            cache = ExpertCache(plain.layout, slots=4, streams=Streams(torch.device("cpu")))
+            slots = cache.fetch(0, experts, store, "decode", keep=set())
+            for e, slot in zip(experts, slots):
+                for name in params:
+                    assert torch.equal(cache.views[name][slot], reference[name][e]), (fmt, chunk, name)
+            assert cache.stats.bytes["decode"] == len(experts) * store.row_bytes  # bytes that crossed, not slots'
+        assert torch.equal(cache.buffer[3], torch.zeros_like(cache.buffer[3]))  # the spare slot is untouched
 
 
 def _quantized_runs(model, tokenizer, fmt: str, device: str) -> tuple[torch.Tensor, dict, int]:

@@ -124,9 +124,9 @@ class ExpertCache:
             if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
                 waited.add(id(self.free[s]))
                 self.streams.wait(stream, self.free[s])  # the slot's last reader has run
-            store.copy_into(e, self._rows[s], self.streams, stream)
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
+        store.copy_group(experts, slots, self.buffer, self._rows, self.streams, stream)
         if phase is not None:
             self.stats.copies[phase] += len(slots)
             self.stats.bytes[phase] += len(slots) * store.row_bytes

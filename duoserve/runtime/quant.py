@@ -17,8 +17,12 @@ An expert is one row of Q bytes (``QuantLayout``: where each parameter's codes a
 A fetch copies those bytes to a device staging row and, on the same stream, dequantizes them into the cache slot
 (the cache keeps the model's dtype, so the expert kernels are unchanged: a dequantize-then-grouped-GEMM path).
 Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4): two or three
-launches, on the copy stream, behind the copy they depend on. ``dequantize`` is the one implementation, used by
-the engine and by the reference model the tests compare against, so both round the same way.
+launches, on the copy stream, behind the copy they depend on. A decode step is short of host time, so a fetch
+group is dequantized at once: its experts' rows are copied side by side into staging, dequantized in one pass
+into a scratch of cache rows and scattered into their slots with one ``index_copy_`` (slot ids uploaded through a
+reused pinned buffer), in chunks of at most ``STAGE_ROWS`` experts and ``STAGE_BYTES`` of cache rows; an expert larger than that (Mixtral's)
+is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the engine and by the
+reference model the tests compare against, so both round the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from duoserve.runtime.streams import Streams
 
 EXPERT_DTYPES = ("model", "fp8", "int4")
 BLOCK = 128  # fp8 block side and int4 group size
+STAGE_BYTES = 96 << 20  # at most this many bytes of cache rows dequantized per pass of a fetch group, and at most
+STAGE_ROWS = 16  # this many experts (device scratch per stream)
 _ALIGN = 16  # bytes: every segment of a stored row starts 16-byte aligned (fp32 scales, vector loads)
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
@@ -151,7 +157,9 @@ class QuantizedExperts(HostExperts):
     def __init__(self, layout: ExpertLayout, qlayout: QuantLayout, stored: torch.Tensor):
         super().__init__(layout, packed=stored)
         self.qlayout = qlayout
-        self._staging: dict[tuple, torch.Tensor] = {}  # (device, stream) -> Q bytes: stream order keeps it safe
+        # experts dequantized per pass; < 2: each straight into its slot
+        self.chunk = min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
+        self._staging: dict[tuple, _Staging] = {}  # per (device, stream): stream order keeps each safe to reuse
 
     @property
     def fmt(self) -> str:
@@ -179,22 +187,67 @@ class QuantizedExperts(HostExperts):
                 scale.reshape(E, -1).contiguous().view(torch.uint8).cpu()
         return cls(layout, qlayout, stored)
 
+    def _stage(self, device: torch.device, stream) -> _Staging:
+        key = (device, id(stream))
+        if key not in self._staging:
+            self._staging[key] = _Staging(self, device, max(self.chunk, 1))
+        return self._staging[key]
+
     def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
         """Queue on ``stream`` the copy of ``expert``'s stored bytes to a staging row and their dequantization into
         the slot (a P row)."""
-        key = (slot_row.device, id(stream))
-        if key not in self._staging:
-            self._staging[key] = torch.empty(self.row_bytes, dtype=torch.uint8, device=slot_row.device)
-        staging = self._staging[key]
+        staging = self._stage(slot_row.device, stream).stored[0]
         streams.copy_to_device(staging, self._rows[expert], stream)
         with streams.on(stream):
             dequantize(staging[None], self.qlayout, self.layout, slot_row[None])
+
+    def copy_group(self, experts: list[int], slots: list[int], buffer: torch.Tensor, rows: list[torch.Tensor],
+                   streams: Streams, stream) -> None:
+        """Queue on ``stream`` the copies of ``experts``' stored rows and their dequantization into cache ``slots``
+        (rows of ``buffer``), a chunk of experts per pass (see the module docstring)."""
+        if self.chunk < 2 or len(experts) == 1:
+            super().copy_group(experts, slots, buffer, rows, streams, stream)
+            return
+        stage = self._stage(buffer.device, stream)
+        for i in range(0, len(experts), self.chunk):
+            chunk, targets = experts[i:i + self.chunk], slots[i:i + self.chunk]
+            n = len(chunk)
+            for j, e in enumerate(chunk):
+                streams.copy_to_device(stage.stored[j], self._rows[e], stream)
+            with streams.on(stream):
+                index = stage.upload(targets)
+                dequantize(stage.stored[:n], self.qlayout, self.layout, stage.rows[:n])
+                buffer.index_copy_(0, index, stage.rows[:n])
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
         rows = torch.empty(len(self.packed), self.layout.numel, dtype=self.layout.dtype, device=device)  # E x P
         dequantize(self.packed.to(device), self.qlayout, self.layout, rows)
         return {n: v.contiguous() for n, v in self.layout.views(rows).items()}
+
+
+class _Staging:
+    """Device scratch for one stream's fetches: ``stored`` (chunk x Q bytes) and ``rows`` (chunk x P), and slot ids
+    uploaded through a pinned buffer reused once its last upload has been read."""
+
+    def __init__(self, store: QuantizedExperts, device: torch.device, chunk: int):
+        self.stored = torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device)  # chunk x Q
+        self.rows = torch.empty(chunk, store.layout.numel, dtype=store.layout.dtype, device=device)  # chunk x P
+        self.cuda = device.type == "cuda"
+        self._host = torch.empty(chunk, dtype=torch.long, pin_memory=self.cuda)
+        self._index = torch.empty(chunk, dtype=torch.long, device=device)
+        self._uploaded = torch.cuda.Event() if self.cuda else None
+
+    def upload(self, slots: list[int]) -> torch.Tensor:
+        """``slots`` as a device tensor, queued on the current stream without blocking the host."""
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload from the pinned buffer has been read (long done)
+        n = len(slots)
+        self._host[:n] = torch.tensor(slots)
+        self._index[:n].copy_(self._host[:n], non_blocking=self.cuda)
+        if self._uploaded is not None:
+            self._uploaded.record()
+        return self._index[:n]
 
 
 def make_store(params: dict[str, torch.Tensor], fmt: str, pin: bool) -> HostExperts:

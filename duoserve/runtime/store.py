@@ -98,6 +98,13 @@ class HostExperts:
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
 
+    def copy_group(self, experts: list[int], slots: list[int], buffer: torch.Tensor, rows: list[torch.Tensor],
+                   streams: Streams, stream) -> None:
+        """Queue the copies of ``experts`` into cache ``slots`` (rows of ``buffer``, S x P; ``rows``: its S row views)
+        on ``stream``, one per expert."""
+        for e, s in zip(experts, slots):
+            self.copy_into(e, rows[s], streams, stream)
+
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""
         if self.modules is not None:
