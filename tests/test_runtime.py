@@ -256,14 +256,14 @@ def test_oracle_prefetch_is_queued_after_the_layers_pair_rows(embedded, monkeypa
     rows = Routing.rows
     monkeypatch.setattr(Routing, "rows", lambda self, *args: events.append(("rows",)) or rows(self, *args))
 
-    def copies(layer: int, copy_into):
-        return lambda *args: events.append(("copy", layer)) or copy_into(*args)
+    def copies(layer: int, copy_group):
+        return lambda *args: events.append(("copy", layer)) or copy_group(*args)
 
     def spy(engine):
         run_layer = engine.run_layer
         engine.run_layer = lambda l, hidden, *args: events.append(("call", l, len(hidden))) or run_layer(l, hidden, *args)
         for l, store in enumerate(engine.stores):
-            store.copy_into = copies(l, store.copy_into)
+            store.copy_group = copies(l, store.copy_group)
 
     L = _oracle_decode(embedded, 1.0, new_tokens=4, on_engine=spy)[2][0]
     starts = [i for i, e in enumerate(events) if e[0] == "call"] + [len(events)]

@@ -62,6 +62,7 @@ class ExpertCache:
         self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
         self.wanted = [0.0] * slots
         self.pinned: set[Key] = set()  # keys whose slots are never refilled
+        self._dequantizing = False  # the last fetch's store finishes its copies on the dequant stream
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
@@ -126,7 +127,8 @@ class ExpertCache:
                 self.streams.wait(stream, self.free[s])  # the slot's last reader has run
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-        store.copy_group(experts, slots, self.buffer, self._rows, self.streams, stream)
+        store.copy_group(experts, slots, self._rows, self.streams, stream)
+        self._dequantizing = store.dequantizes
         if phase is not None:
             self.stats.copies[phase] += len(slots)
             self.stats.bytes[phase] += len(slots) * store.row_bytes
@@ -135,8 +137,13 @@ class ExpertCache:
         return slots
 
     def seal(self, slots: list[int], stream=None) -> None:
-        """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and more) has run."""
+        """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and more) has run, and the
+        dequantization of what the last fetch copied, if its store is quantized."""
         ready = self.streams.record(stream or self.streams.copy)
+        if self._dequantizing and self.streams.dequant is not None:
+            self.streams.wait(self.streams.dequant, ready)
+            ready = self.streams.record(self.streams.dequant)
+        self._dequantizing = False
         for s in slots:
             self.ready[s] = ready
 

@@ -14,15 +14,15 @@ Formats (``EXPERT_DTYPES``):
 Parameters of one dimension per expert (biases) are stored unquantized.
 
 An expert is one row of Q bytes (``QuantLayout``: where each parameter's codes and scales sit, 16-byte aligned).
-A fetch copies those bytes to a device staging row and, on the same stream, dequantizes them into the cache slot
-(the cache keeps the model's dtype, so the expert kernels are unchanged: a dequantize-then-grouped-GEMM path).
-Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4): two or three
-launches, on the copy stream, behind the copy they depend on. A decode step is short of host time, so a fetch
-group is dequantized at once: its experts' rows are copied side by side into staging, dequantized in one pass
-into a scratch of cache rows and scattered into their slots with one ``index_copy_`` (slot ids uploaded through a
-reused pinned buffer), in chunks of at most ``STAGE_ROWS`` experts and ``STAGE_BYTES`` of cache rows; an expert larger than that (Mixtral's)
-is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the engine and by the
-reference model the tests compare against, so both round the same way.
+A fetch copies those bytes to a device staging buffer on its stream and dequantizes them into the cache slot on
+the dequant stream (the cache keeps the model's dtype, so the expert kernels are unchanged: a
+dequantize-then-grouped-GEMM path), and ``ExpertCache.seal`` marks the slots ready on the dequant stream. Two
+staging buffers alternate, so the next copy overlaps this dequantization: the copy engine never idles behind it.
+Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4). A decode step
+is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
+``STAGE_BYTES`` of cache rows) into a scratch of cache rows, then copied into their slots; an expert larger than
+that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the
+engine and by the reference model the tests compare against, so both round the same way.
 """
 
 from __future__ import annotations
@@ -187,37 +187,36 @@ class QuantizedExperts(HostExperts):
                 scale.reshape(E, -1).contiguous().view(torch.uint8).cpu()
         return cls(layout, qlayout, stored)
 
+    dequantizes = True
+
     def _stage(self, device: torch.device, stream) -> _Staging:
         key = (device, id(stream))
         if key not in self._staging:
             self._staging[key] = _Staging(self, device, max(self.chunk, 1))
         return self._staging[key]
 
-    def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
-        """Queue on ``stream`` the copy of ``expert``'s stored bytes to a staging row and their dequantization into
-        the slot (a P row)."""
-        staging = self._stage(slot_row.device, stream).stored[0]
-        streams.copy_to_device(staging, self._rows[expert], stream)
-        with streams.on(stream):
-            dequantize(staging[None], self.qlayout, self.layout, slot_row[None])
-
-    def copy_group(self, experts: list[int], slots: list[int], buffer: torch.Tensor, rows: list[torch.Tensor],
-                   streams: Streams, stream) -> None:
-        """Queue on ``stream`` the copies of ``experts``' stored rows and their dequantization into cache ``slots``
-        (rows of ``buffer``), a chunk of experts per pass (see the module docstring)."""
-        if self.chunk < 2 or len(experts) == 1:
-            super().copy_group(experts, slots, buffer, rows, streams, stream)
-            return
-        stage = self._stage(buffer.device, stream)
-        for i in range(0, len(experts), self.chunk):
-            chunk, targets = experts[i:i + self.chunk], slots[i:i + self.chunk]
-            n = len(chunk)
+    def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
+                   stream) -> None:
+        """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
+        dequantization into cache ``slots`` (``rows``: the cache's row views), a pass per chunk of experts."""
+        stage = self._stage(rows[0].device, stream)
+        work = streams.dequant if streams.dequant is not None else stream
+        step = max(self.chunk, 1)
+        for i in range(0, len(experts), step):
+            chunk, targets = experts[i:i + step], slots[i:i + step]
+            n, b = len(chunk), stage.flip()
+            streams.wait(stream, stage.read[b])  # its last dequantization has read this staging buffer
             for j, e in enumerate(chunk):
-                streams.copy_to_device(stage.stored[j], self._rows[e], stream)
-            with streams.on(stream):
-                index = stage.upload(targets)
-                dequantize(stage.stored[:n], self.qlayout, self.layout, stage.rows[:n])
-                buffer.index_copy_(0, index, stage.rows[:n])
+                streams.copy_to_device(stage.stored[b][j], self._rows[e], stream)
+            streams.wait(work, streams.record(stream))
+            with streams.on(work):
+                if n == 1:
+                    dequantize(stage.stored[b][:1], self.qlayout, self.layout, rows[targets[0]][None])
+                else:
+                    dequantize(stage.stored[b][:n], self.qlayout, self.layout, stage.rows[b][:n])
+                    for j, s in enumerate(targets):
+                        rows[s].copy_(stage.rows[b][j])
+            stage.read[b] = streams.record(work)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
@@ -227,27 +226,21 @@ class QuantizedExperts(HostExperts):
 
 
 class _Staging:
-    """Device scratch for one stream's fetches: ``stored`` (chunk x Q bytes) and ``rows`` (chunk x P), and slot ids
-    uploaded through a pinned buffer reused once its last upload has been read."""
+    """Device buffers for one stream's fetches, two of each so a copy overlaps the last one's dequantization:
+    ``stored`` (chunk x Q bytes), ``rows`` (chunk x P, for passes of several experts) and the event of each
+    buffer's last read."""
 
     def __init__(self, store: QuantizedExperts, device: torch.device, chunk: int):
-        self.stored = torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device)  # chunk x Q
-        self.rows = torch.empty(chunk, store.layout.numel, dtype=store.layout.dtype, device=device)  # chunk x P
-        self.cuda = device.type == "cuda"
-        self._host = torch.empty(chunk, dtype=torch.long, pin_memory=self.cuda)
-        self._index = torch.empty(chunk, dtype=torch.long, device=device)
-        self._uploaded = torch.cuda.Event() if self.cuda else None
+        self.stored = [torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.rows = [torch.empty(chunk if chunk > 1 else 0, store.layout.numel, dtype=store.layout.dtype,
+                                 device=device) for _ in range(2)]
+        self.read: list = [None, None]
+        self._next = 0
 
-    def upload(self, slots: list[int]) -> torch.Tensor:
-        """``slots`` as a device tensor, queued on the current stream without blocking the host."""
-        if self._uploaded is not None:
-            self._uploaded.synchronize()  # the last upload from the pinned buffer has been read (long done)
-        n = len(slots)
-        self._host[:n] = torch.tensor(slots)
-        self._index[:n].copy_(self._host[:n], non_blocking=self.cuda)
-        if self._uploaded is not None:
-            self._uploaded.record()
-        return self._index[:n]
+    def flip(self) -> int:
+        """The buffer pair to use next."""
+        self._next ^= 1
+        return self._next
 
 
 def make_store(params: dict[str, torch.Tensor], fmt: str, pin: bool) -> HostExperts:

@@ -88,7 +88,7 @@ class HostExperts:
         """Bytes one expert's copy moves (a quantized store's are fewer than the cache slot's)."""
         return self.layout.nbytes
 
-    def copy_into(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
+    def _copy_one(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
         """Queue the copy of ``expert`` into a device slot (a P row) on ``stream``: one asynchronous copy when
         packed and pinned, else one blocking copy per parameter."""
         if self.packed is not None:
@@ -98,12 +98,14 @@ class HostExperts:
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
 
-    def copy_group(self, experts: list[int], slots: list[int], buffer: torch.Tensor, rows: list[torch.Tensor],
-                   streams: Streams, stream) -> None:
-        """Queue the copies of ``experts`` into cache ``slots`` (rows of ``buffer``, S x P; ``rows``: its S row views)
-        on ``stream``, one per expert."""
+    dequantizes = False  # a quantized store's copies end on the dequant stream (``quant.py``)
+
+    def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
+                   stream) -> None:
+        """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S row views of P) on
+        ``stream``, one per expert."""
         for e, s in zip(experts, slots):
-            self.copy_into(e, rows[s], streams, stream)
+            self._copy_one(e, rows[s], streams, stream)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""

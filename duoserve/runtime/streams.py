@@ -1,7 +1,8 @@
 """Streams, events and span timers on CUDA, with synchronous stand-ins when the CPU plays the GPU.
 
-On CUDA the runtime uses three streams: compute (the caller's current stream), copy (host-to-device
-expert fetches) and predict (the predictor). Work is ordered across them with events only, so the
+On CUDA the runtime uses four streams: compute (the caller's current stream), copy (host-to-device
+expert fetches), predict (the predictor) and dequant (quantized experts turned into cache rows as they
+land, so the next expert's copy overlaps that work: ``quant.py``). Work is ordered across them with events only, so the
 CPU never waits except where it must read a result (the routing, the predictor's choice). On the
 CPU every operation runs in program order, so events are ``None`` and waits do nothing.
 
@@ -30,8 +31,9 @@ class Streams:
             self.compute = torch.cuda.current_stream(device)
             self.copy = torch.cuda.Stream(device)
             self.predict = torch.cuda.Stream(device)
+            self.dequant = torch.cuda.Stream(device)
         else:
-            self.compute = self.copy = self.predict = None
+            self.compute = self.copy = self.predict = self.dequant = None
         # the runtime call queues on the current device's context: the engine's device must be current
         self._memcpy = runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
             else None
