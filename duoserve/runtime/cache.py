@@ -63,6 +63,7 @@ class ExpertCache:
         self.wanted = [0.0] * slots
         self.pinned: set[Key] = set()  # keys whose slots are never refilled
         self._dequantizing = False  # the last fetch's store finishes its copies on the dequant stream
+        self.scratch: dict = {}  # device staging of quantized stores, shared by all layers (``quant.py``)
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
@@ -127,7 +128,7 @@ class ExpertCache:
                 self.streams.wait(stream, self.free[s])  # the slot's last reader has run
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-        store.copy_group(experts, slots, self._rows, self.streams, stream)
+        store.copy_group(experts, slots, self._rows, self.streams, stream, self.scratch)
         self._dequantizing = store.dequantizes
         if phase is not None:
             self.stats.copies[phase] += len(slots)

@@ -159,7 +159,6 @@ class QuantizedExperts(HostExperts):
         self.qlayout = qlayout
         # experts dequantized per pass; < 2: each straight into its slot
         self.chunk = min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
-        self._staging: dict[tuple, _Staging] = {}  # per (device, stream): stream order keeps each safe to reuse
 
     @property
     def fmt(self) -> str:
@@ -189,17 +188,20 @@ class QuantizedExperts(HostExperts):
 
     dequantizes = True
 
-    def _stage(self, device: torch.device, stream) -> _Staging:
-        key = (device, id(stream))
-        if key not in self._staging:
-            self._staging[key] = _Staging(self, device, max(self.chunk, 1))
-        return self._staging[key]
+    def _stage(self, device: torch.device, stream, scratch: dict) -> _Staging:
+        """The staging buffers of ``stream`` in ``scratch``, shared by every layer's store of this format and layout
+        (one fetch runs at a time on a stream; stream order and the buffers' read events keep reuse safe)."""
+        key = (device, id(stream), self.qlayout, self.layout, self.chunk)
+        if key not in scratch:
+            scratch[key] = _Staging(self, device, max(self.chunk, 1))
+        return scratch[key]
 
     def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
-                   stream) -> None:
+                   stream, scratch: dict) -> None:
         """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
-        dequantization into cache ``slots`` (``rows``: the cache's row views), a pass per chunk of experts."""
-        stage = self._stage(rows[0].device, stream)
+        dequantization into cache ``slots`` (``rows``: the cache's row views), a pass per chunk of experts;
+        ``scratch``: the cache's device buffers for it."""
+        stage = self._stage(rows[0].device, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
         step = max(self.chunk, 1)
         for i in range(0, len(experts), step):

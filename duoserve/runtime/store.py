@@ -101,9 +101,9 @@ class HostExperts:
     dequantizes = False  # a quantized store's copies end on the dequant stream (``quant.py``)
 
     def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
-                   stream) -> None:
+                   stream, scratch: dict) -> None:
         """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S row views of P) on
-        ``stream``, one per expert."""
+        ``stream``, one per expert (``scratch``: the cache's buffers for stores that stage their copies)."""
         for e, s in zip(experts, slots):
             self._copy_one(e, rows[s], streams, stream)
 
