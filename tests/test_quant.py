@@ -92,7 +92,8 @@ def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_r
             assert cache.stats.bytes["decode"] == len(experts) * store.row_bytes  # bytes that crossed, not slots'
         assert torch.equal(cache.buffer[3], torch.zeros_like(cache.buffer[3]))  # the spare slot is untouched
         other = QuantizedExperts.quantize(params, fmt, pin=False)  # another layer's store: same staging
-        cache.fetch(1, [1], other, "decode", keep=set())
+        other.chunk = store.chunk
+        cache.fetch(1, [1, 2], other, "decode", keep={(0, e) for e in (3, 0)})
         assert len(cache.scratch) == 1
 
 
