@@ -112,8 +112,9 @@ def main() -> None:
     print(f"\n{'trace':<10} {'budget':>6} {'policy':<14} {'hits':>6} {'MB/token':>9} {'TPOT ms':>8} {'peak GB':>8}")
     for r in runs:
         who = r["policy"] + (" + pin" if r["pinned"] else "")
+        peak = (r["peak_gpu_bytes"] or 0) / 1e9
         print(f"{r['trace']:<10} {r['budget']:>6} {who:<14} {r['hit_rate']['decode']:>6.3f} "
-              f"{r['decode_bytes_per_token'] / 1e6:>9.1f} {r['tpot_ms']:>8.2f} {(r['peak_gpu_bytes'] or 0) / 1e9:>8.2f}")
+              f"{r['decode_bytes_per_token'] / 1e6:>9.1f} {r['tpot_ms']:>8.2f} {peak:>8.2f}")
     shape = "tiny widths (--small)" if args.small else "qwen3-30b-a3b widths"
     write_result(args.out, {"benchmark": "runtime_pinning", "shape": f"{shape}, the trace's L, E, k",
                             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,

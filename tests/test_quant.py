@@ -282,6 +282,7 @@ def test_bench_runs_each_expert_dtype_and_checks_its_ratios(tmp_path, arch_model
     assert set(runs) == {("duoserve", f) for f in ("model", "fp8", "int4")} | {("accelerate", "model"),
                                                                                 ("all-resident", "model")}
     stored = saved["geometry"]["stored_expert_mb"]
+    assert saved["pin_keys"] == 0 and "pin" not in saved  # a pin list is counted, not dumped
     for fmt in ("fp8", "int4"):
         # same routing and policy: same copies, so bytes scale exactly with the stored row
         assert runs[("duoserve", fmt)]["copies"] == runs[("duoserve", "model")]["copies"]

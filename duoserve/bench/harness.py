@@ -68,7 +68,8 @@ class BenchSettings:
     def run_count(self) -> int:
         """Timed runs of a bench with these settings (untimed warm-ups aside)."""
         return self.repeats * len(self.batch_sizes) * sum(
-            (len(self.predictors) if p == "duoserve" else 1) * len(self.dtypes_of(get_policy(p))) for p in self.policies)
+            (len(self.predictors) if p == "duoserve" else 1) * len(self.dtypes_of(get_policy(p)))
+            for p in self.policies)
 
     def dtypes_of(self, policy: Policy) -> list[str]:
         """The expert dtypes ``policy`` runs: every one asked for where it reads packed stores, else the model's."""
@@ -184,7 +185,8 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,
-            "dtype_fixed": not policy.pinned or policy.resident, "batch_size": len(input_ids), "host_op_us": op_us, **timing, **counters}
+            "dtype_fixed": not policy.pinned or policy.resident, "batch_size": len(input_ids), "host_op_us": op_us,
+            **timing, **counters}
 
 
 def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
@@ -259,7 +261,8 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
                      "expert_mb": layout.nbytes / 1e6,
                      "stored_expert_mb": {f: stores[f][0].row_bytes / 1e6 for f in s.expert_dtypes if stores.get(f)}},
         "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
-        "baseline_new_tokens": s.baseline_new_tokens, **asdict(s.engine),
+        "baseline_new_tokens": s.baseline_new_tokens,
+        **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
     }
 

@@ -158,12 +158,13 @@ def _print_bench(result: dict, rounds: bool) -> None:
     round_col = ["round"] if rounds else []
     dtypes = len({r["expert_dtype"] for r in result["runs"]}) > 1
     dtype_col = ["experts"] if dtypes else []
-    latency = table("latency and memory", "policy", *dtype_col, "predictor", "B", *round_col, "TTFT s", "bound", "TPOT ms",
-                    "bound", "peak GB")
-    traffic = table("host-to-device copies", "policy", *dtype_col, "predictor", "B", *round_col, "prefill GB", "decode GB",
-                    "decode hits", "stall ms", "pred. ms")
+    latency = table("latency and memory", "policy", *dtype_col, "predictor", "B", *round_col, "TTFT s", "bound",
+                    "TPOT ms", "bound", "peak GB")
+    traffic = table("host-to-device copies", "policy", *dtype_col, "predictor", "B", *round_col, "prefill GB",
+                    "decode GB", "decode hits", "stall ms", "pred. ms")
     for r in result["runs"]:
-        who = (r["policy"], *([r["expert_dtype"]] if dtypes else []), r["predictor"] or "-", str(r["batch_size"]), *([str(r["round"])] if rounds else []))
+        who = (r["policy"], *([r["expert_dtype"]] if dtypes else []), r["predictor"] or "-", str(r["batch_size"]),
+               *([str(r["round"])] if rounds else []))
         latency.add_row(*who, num(r["ttft_s"]), num(r["prefill_bound_s"]), num(r["tpot_ms"], ".2f"),
                         num(r["decode_bound_ms"], ".2f"), gb(r["peak_gpu_bytes"]))
         if "bytes_h2d" in r:
@@ -177,8 +178,9 @@ def _print_bench(result: dict, rounds: bool) -> None:
     elif result["targets"]:
         targets = table("targets", "B", *dtype_col, "predictor", *round_col, "target", "value", "met")
         for t in result["targets"]:
-            targets.add_row(str(t["batch_size"]), *([t["expert_dtype"]] if dtypes else []), t["predictor"], *([str(t["round"])] if rounds else []),
-                            t["target"], num(t["value"], ".2f"), "yes" if t["met"] else "[red]no[/]")
+            targets.add_row(str(t["batch_size"]), *([t["expert_dtype"]] if dtypes else []), t["predictor"],
+                            *([str(t["round"])] if rounds else []), t["target"], num(t["value"], ".2f"),
+                            "yes" if t["met"] else "[red]no[/]")
         console.print(targets)
 
 
