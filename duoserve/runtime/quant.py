@@ -154,15 +154,13 @@ class QuantizedExperts(HostExperts):
     """One MoE layer's routed experts stored quantized (``stored``: E x Q uint8, pinned with a GPU); a fetch copies
     an expert's Q bytes and dequantizes them into the cache's slot row (see the module docstring)."""
 
+    dequantizes = True
+
     def __init__(self, layout: ExpertLayout, qlayout: QuantLayout, stored: torch.Tensor):
         super().__init__(layout, packed=stored)
         self.qlayout = qlayout
         # experts dequantized per pass; < 2: each straight into its slot
         self.chunk = min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
-
-    @property
-    def fmt(self) -> str:
-        return self.qlayout.fmt
 
     @property
     def row_bytes(self) -> int:
@@ -185,8 +183,6 @@ class QuantizedExperts(HostExperts):
             stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes] = \
                 scale.reshape(E, -1).contiguous().view(torch.uint8).cpu()
         return cls(layout, qlayout, stored)
-
-    dequantizes = True
 
     def _stage(self, device: torch.device, stream, scratch: dict) -> _Staging:
         """The staging buffers of ``stream`` in ``scratch``, shared by every layer's store of this format and layout
