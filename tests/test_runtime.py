@@ -13,6 +13,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from typer.testing import CliRunner
 
+import duoserve.runtime.cache as cache_module
 import duoserve.runtime.experts as experts_module
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.cli.run import app as run_app
@@ -461,6 +462,44 @@ def test_cache_evicts_lowest_wanted_then_oldest_and_never_a_kept_key():
     with pytest.raises(RuntimeError, match="cannot take 2 experts"):
         cache.fetch(0, [1, 3], store, "decode", keep={(0, 2), (0, 0)})  # two new experts, one slot to take
     assert cache.lookup((1, 3)) == d and cache.stats.copies["decode"] == 5  # refused before any copy
+
+
+@pytest.mark.parametrize("heap", [False, True])
+def test_cache_victims_from_its_heap_equal_a_full_ranking_of_the_slots(heap, monkeypatch):
+    """Random fetches, releases, scores, look-ups and forgets: the victims are always the lowest (wanted, last used,
+    slot) of the slots outside ``keep`` and the pinned ones, empty slots first, from the heap as from the scan."""
+    monkeypatch.setattr(cache_module, "HEAP_SLOTS", 4 if heap else 64)
+    rng = np.random.default_rng(0)
+    store = HostExperts.pack({"w": torch.zeros(64, 1)}, pin=False)
+    cache = ExpertCache(store.layout, slots=12, streams=Streams(torch.device("cpu")))
+    assert (cache._heap is not None) == heap
+    cache.pin([(3, 7), (3, 9)], [store] * 4)
+    for step in range(400):
+        op = rng.integers(5)
+        layer = int(rng.integers(4))
+        cached = [e for (l, e) in cache.slot_of if l == layer]
+        if op == 0:
+            new = [int(e) for e in rng.choice(64, 3, replace=False) if (layer, int(e)) not in cache.slot_of]
+            cache.fetch(layer, new, store, "decode", keep=set(), wanted=list(rng.random(len(new))))
+        elif op == 1 and cached:
+            cache.release([cache.slot_of[(layer, e)] for e in cached[:2]])
+        elif op == 2:
+            cache.copy_ahead(layer, [(int(e), float(rng.random())) for e in rng.choice(64, 2)], store, "decode")
+        elif op == 3:
+            cache.resident(layer, cached, "decode")
+        elif step % 50 == 0:
+            cache.forget()
+        keep = {key for key in cache.slot_of if rng.random() < 0.3}
+        free = [s for s, key in enumerate(cache.key) if key not in keep and key not in cache.pinned]
+        ranked = sorted(free, key=lambda s: ((-1.0, -1) if cache.key[s] is None else (cache.wanted[s], cache.used[s]),
+                                             s))
+        count = int(rng.integers(1, 4))
+        if count > len(ranked):
+            with pytest.raises(RuntimeError):
+                cache.victims(count, keep)
+        else:
+            assert cache.victims(count, keep) == ranked[:count], step
+    assert not heap or len(cache._heap) <= 2 * cache.slots + 64  # stale entries are pruned
 
 
 def test_cache_groups_refill_the_least_recent_slots_so_copies_overlap_compute():

@@ -9,7 +9,11 @@ the copy stream and one ``ready`` event per group, as the host's time per launch
 step is short of. Eviction picks, among the slots a call may take, the lowest (wanted, last used):
 ``wanted`` is the predictor's score for an expert fetched for a layer still to run, and recency
 breaks ties, so with no predictor it is plain LRU. Which slot holds which expert is known on the
-host only; kernels get slot ids from the engine.
+host only; kernels get slot ids from the engine. A cache of more than ``HEAP_SLOTS`` slots keeps the
+ranking in a heap with lazy deletion (an entry per change of a slot's rank, stale ones skipped when
+they surface, rebuilt when it has grown to twice the slots), so picking victims costs the host
+O(count log S), not a pass over S slots: budgets reach thousands of slots, and a decode step is short
+of host time; a smaller one scans its slots, which costs less there (``benchmarks/cache_host.py``).
 
 The cache also keeps the books of copies made ahead of a layer's router (``copy_ahead``): which
 experts were wanted for which layer, and, for predicted ones, how many the layer really used
@@ -31,6 +35,7 @@ from duoserve.runtime.store import ExpertLayout, HostExperts
 from duoserve.runtime.streams import Streams
 
 Key = tuple[int, int]  # (layer, expert)
+HEAP_SLOTS = 64  # caches of more slots rank them in a heap
 
 
 @dataclass
@@ -61,6 +66,9 @@ class ExpertCache:
         self.used = [0] * slots  # clock of each slot's last fetch or release
         self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
         self.wanted = [0.0] * slots
+        self._version = [0] * slots  # bumped at each change of a slot's rank; heap entries of older ones are stale
+        # (wanted, used, slot, version), empty slots first; None: a small cache, scanned instead
+        self._heap = [(-1.0, -1, s, 0) for s in range(slots)] if slots > HEAP_SLOTS else None
         self.pinned: set[Key] = set()  # keys whose slots are never refilled
         self._dequantizing = False  # the last fetch's store finishes its copies on the dequant stream
         self.scratch: dict = {}  # device staging of quantized stores, shared by all layers (``quant.py``)
@@ -101,15 +109,44 @@ class ExpertCache:
     def lookup(self, key: Key) -> int | None:
         return self.slot_of.get(key)
 
+    def _touch(self, s: int) -> None:
+        """Slot ``s``'s key, score or recency changed: queue its new rank (empty slots rank lowest)."""
+        if self._heap is None:
+            return
+        self._version[s] += 1
+        if self.key[s] in self.pinned:
+            return  # never a victim: out of the ranking
+        rank = (-1.0, -1) if self.key[s] is None else (self.wanted[s], self.used[s])
+        heapq.heappush(self._heap, (*rank, s, self._version[s]))
+        if len(self._heap) > 2 * self.slots + 64:  # mostly stale: rebuild from the live entries
+            self._heap = [entry for entry in self._heap if entry[3] == self._version[entry[2]]]
+            heapq.heapify(self._heap)
+
     def victims(self, count: int, keep: set[Key]) -> list[int]:
-        """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), never one holding a
-        key in ``keep``; one pass over the slots whatever the count (budgets reach hundreds of slots)."""
-        ranked = [((-1.0, -1) if key is None else (self.wanted[s], self.used[s]), s)
-                  for s, key in enumerate(self.key) if key not in keep and key not in self.pinned]
-        if len(ranked) < count:
-            raise RuntimeError(f"expert cache of {self.slots} slots cannot take {count} experts while {len(keep)} "
-                               "must stay; raise the GPU expert budget")
-        return [s for _, s in heapq.nsmallest(count, ranked)]
+        """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), ties by slot, never
+        one holding a key in ``keep`` or a pinned one; the cache's state is unchanged until the caller refills them."""
+        if self._heap is None:
+            ranked = [((-1.0, -1) if key is None else (self.wanted[s], self.used[s]), s)
+                      for s, key in enumerate(self.key) if key not in keep and key not in self.pinned]
+            if len(ranked) < count:
+                raise self._full(count, keep)
+            return [s for _, s in heapq.nsmallest(count, ranked)]
+        chosen, held = [], []
+        while len(chosen) < count and self._heap:
+            entry = heapq.heappop(self._heap)
+            s = entry[2]
+            if entry[3] != self._version[s] or self.key[s] in self.pinned:
+                continue  # stale, or pinned since it was ranked
+            (held if self.key[s] in keep else chosen).append(entry)
+        for entry in held + chosen:  # chosen ones go stale once the caller refills them
+            heapq.heappush(self._heap, entry)
+        if len(chosen) < count:
+            raise self._full(count, keep)
+        return [entry[2] for entry in chosen]
+
+    def _full(self, count: int, keep: set[Key]) -> RuntimeError:
+        return RuntimeError(f"expert cache of {self.slots} slots cannot take {count} experts while {len(keep)} must "
+                            "stay; raise the GPU expert budget")
 
     def fetch(self, layer: int, experts: list[int], store: HostExperts, phase: str | None, keep: set[Key],
               stream=None, wanted: list[float] | None = None, seal: bool = True) -> list[int]:
@@ -128,6 +165,7 @@ class ExpertCache:
                 self.streams.wait(stream, self.free[s])  # the slot's last reader has run
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
+            self._touch(s)
         store.copy_group(experts, slots, self._rows, self.streams, stream, self.scratch)
         self._dequantizing = store.dequantizes
         if phase is not None:
@@ -154,11 +192,15 @@ class ExpertCache:
         self.clock += 1
         for s in slots:
             self.free[s], self.used[s], self.wanted[s] = event, self.clock, 0.0
+            self._touch(s)
 
     def forget(self) -> None:
         """Drop every key but the pinned ones (the slots' contents stay until refilled)."""
         self.slot_of = {key: s for key, s in self.slot_of.items() if key in self.pinned}
-        self.key = [key if key in self.pinned else None for key in self.key]
+        for s, key in enumerate(self.key):
+            if key is not None and key not in self.pinned:
+                self.key[s] = None
+                self._touch(s)
 
     def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:
         """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
@@ -166,6 +208,7 @@ class ExpertCache:
         for e in self._wanted_for.pop(layer, ()):
             if (s := self.slot_of.get((layer, e))) is not None:
                 self.wanted[s] = 0.0
+                self._touch(s)
         hits = {e: s for e in needed if (s := self.slot_of.get((layer, e))) is not None}
         self.stats.lookups[phase] += len(needed)
         self.stats.hits[phase] += len(hits)
@@ -184,7 +227,9 @@ class ExpertCache:
             if (s := self.slot_of.get((layer, e))) is None:
                 fetch.append((e, score))
             else:
-                self.wanted[s] = max(self.wanted[s], score)
+                if score > self.wanted[s]:
+                    self.wanted[s] = score
+                    self._touch(s)
         if fetch:
             experts = [e for e, _ in fetch]
             self.fetch(layer, experts, store, phase, {(layer, e) for e, _ in ranked} | busy,

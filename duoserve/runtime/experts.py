@@ -72,21 +72,29 @@ class Routing:
         k = self.ids.shape[1]
         if self._flat is not None:
             pairs = sorted((slots[e], p) for p, e in enumerate(self._flat) if e in slots)  # (slot, flat position)
-            per_slot = [0] * num_slots  # S
-            for s, _ in pairs:
-                per_slot[s] += 1
-            flat = [p for _, p in pairs]  # n
-            offsets = itertools.chain.from_iterable(itertools.accumulate(per_slot[w:w + MAX_GROUPS])
-                                                    for w in range(0, num_slots, MAX_GROUPS))
-            return np.array([p // k for p in flat] + flat + [s for s, _ in pairs] + list(offsets), dtype=np.int32)
+            flat, slot = [p for _, p in pairs], [s for s, _ in pairs]  # n, n
+            if num_slots <= SMALL_CALL:  # one window, and lists beat numpy's fixed cost
+                per_slot = [0] * num_slots  # S
+                for s in slot:
+                    per_slot[s] += 1
+                return np.array([p // k for p in flat] + flat + slot + list(itertools.accumulate(per_slot)),
+                                dtype=np.int32)
+            head = np.array([p // k for p in flat] + flat + slot, dtype=np.int32)  # 3n
+            return np.concatenate([head, _window_offsets(head[2 * len(flat):], num_slots)])
         by_slot = sorted(slots.items(), key=lambda item: item[1])
         experts = [e for e, _ in by_slot]
         flat = np.concatenate([self._order[self._starts[e]:self._starts[e + 1]] for e in experts])  # n
-        per_slot = np.zeros(num_slots, dtype=np.int64)  # S
-        per_slot[[s for _, s in by_slot]] = self.counts[experts]
-        slot = np.repeat(np.arange(num_slots), per_slot)  # n
-        offsets = np.concatenate([np.cumsum(per_slot[w:w + MAX_GROUPS]) for w in range(0, num_slots, MAX_GROUPS)])
-        return np.concatenate([flat // k, flat, slot, offsets]).astype(np.int32)
+        slot = np.repeat([s for _, s in by_slot], self.counts[experts])  # n, in slot order
+        return np.concatenate([flat // k, flat, slot, _window_offsets(slot, num_slots)]).astype(np.int32)
+
+
+def _window_offsets(slot: np.ndarray, num_slots: int) -> np.ndarray:
+    """S cumulative pair counts of ``slot`` (the n pairs' slots, sorted), each counted from the first pair of its
+    window of ``MAX_GROUPS`` slots: one pass in C, as a cache may hold thousands of slots."""
+    upto = np.searchsorted(slot, np.arange(num_slots), side="right")  # S: pairs in slots <= s
+    starts = np.arange(0, num_slots, MAX_GROUPS)  # first slot of each window
+    before = np.searchsorted(slot, starts, side="left")  # pairs before each window
+    return (upto - np.repeat(before, np.diff(np.append(starts, num_slots)))).astype(np.int32)
 
 
 def slot_windows(rows: np.ndarray, num_slots: int) -> list[Window] | None:
