@@ -7,7 +7,7 @@ It plugs in through transformers' experts interface (``plugin.py``). Each MoE la
 runs, for the experts its router chose:
 
   1. one CPU read of the routing (which experts, how many tokens each), grouped by expert;
-  2. a look-up in the device cache of experts shared by all layers (``cache.py``: slots, events,
+  2. a look-up in the device cache of experts shared by all layers (``cache.py``: slots, events, pins,
      eviction, the books of copies made ahead);
   3. a decode call whose experts all fit in the cache (B=1 always): its misses fetched, then every
      pair computed in one call over the cache slots, replayed from a CUDA graph where one can be
