@@ -21,6 +21,9 @@ runs, for the experts its router chose:
   5. policies without prediction: ``full-layer`` copies all of layer l+1 ahead; ``duoserve``'s
      prefill copies the cache's worth of layer l+1 ahead when a pass routes so many pairs that nearly
      every expert is needed (the prefill look-ahead).
+
+``cpu-experts`` skips 2-5: the hidden states go to the host, the routed experts run there on the CPU from
+the pageable stores (the same grouped kernels, every expert its own group), and the output comes back.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from duoserve.discovery import next_gate_fn
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.experts import Routing, SlotCompute, graphs_supported
+from duoserve.runtime.experts import Routing, SlotCompute, SlotView, graphs_supported, slot_experts, slot_windows
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.prefetch import DecodePrefetch
@@ -46,6 +49,8 @@ from duoserve.runtime.streams import EngineTimers, Streams
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
     """Cache slots when no budget is given: k for the layer computing plus k for each layer looked ahead;
     k for policies that keep nothing; two whole layers for full-layer prefetch."""
+    if policy.host_compute:
+        return 1  # nothing is computed from the device cache
     if policy.prefetch_layer:
         return 2 * num_experts
     return (1 + lookahead) * top_k if policy.reuse else top_k
@@ -94,6 +99,9 @@ class OffloadEngine(ExpertsPlugin):
                                    graphs=not settings.eager and graphs_supported(stores[0].layout.dtype, self.device))
         self.grouped = GroupedFetch(self.cache, stores, self.streams, self.timers, self.compute, policy.overlap)
         self.prefetch = self._prefetch_plan(predictor) if predictor is not None else None
+        # cpu-experts: each layer's experts module seen with its host parameters as its experts
+        self._host_views = [SlotView(layer.experts, store.modules, self.E) for layer, store in
+                            zip(self.layers, stores)] if policy.host_compute else None
 
     def _capacity(self) -> int:
         """Cache slots: the policy's default, or as many experts as the budget holds (caching policies)."""
@@ -146,6 +154,8 @@ class OffloadEngine(ExpertsPlugin):
         cpu, cache, plan = self.timers.cpu, self.cache, self.prefetch
         with cpu("wait for routing"):
             routing = Routing(idx, self.E)
+        if self._host_views is not None:
+            return self._host_layer(l, hidden, weights, routing)
         targets = plan.targets(l) if plan is not None and self.phase == "decode" and plan.history is not None \
             and len(plan.history) == len(idx) else []
         # the predictor stream starts from the routing (a host-side predictor reads none of it)
@@ -188,6 +198,14 @@ class OffloadEngine(ExpertsPlugin):
                 cache.copy_ahead(l + 1, [(e, 1.0) for e in range(min(cache.open_slots, self.E))], self.stores[l + 1],
                                  self.phase, predicted=False)
         return out
+
+    def _host_layer(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """T x H output of layer ``l``'s routed experts computed on the host CPU (``cpu-experts``)."""
+        with self.timers.cpu("host experts"):
+            rows = routing.rows({e: e for e in routing.needed}, self.E)
+            out = slot_experts(self._host_views[l], hidden.cpu(), weights.cpu(), torch.from_numpy(rows), self.E,
+                               slot_windows(rows, self.E))  # T x H
+        return out.to(hidden.device)
 
     def reset_stats(self) -> None:
         self.streams.synchronize()

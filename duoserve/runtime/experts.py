@@ -125,7 +125,7 @@ def add_slot_experts(experts, hidden: torch.Tensor, weights: torch.Tensor, rows:
         return
     up = "gate_up_proj" if experts.has_gate else "up_proj"
     for s0, s1, p0, p1 in windows:
-        window = _SlotView(experts, {name: getattr(experts, name)[s0:s1] for name in (up, "down_proj")}, s1 - s0)
+        window = SlotView(experts, {name: getattr(experts, name)[s0:s1] for name in (up, "down_proj")}, s1 - s0)
         _add_group(window, hidden, weights, token[p0:p1], flat[p0:p1], slot[p0:p1], offsets[s0:s1], out)
 
 
@@ -213,7 +213,7 @@ class GraphedSlotExperts:
         return graph, out
 
 
-class _SlotView:
+class SlotView:
     """An experts module as its kernels see it, with the cache's slots in place of its experts."""
 
     def __init__(self, module: nn.Module, weights: dict[str, torch.Tensor], count: int):
@@ -239,7 +239,7 @@ class SlotCompute:
     def __init__(self, modules: list[nn.Module], cache: ExpertCache, streams: Streams, timers: EngineTimers,
                  graphs: bool):
         self.cache, self.streams, self.timers = cache, streams, timers
-        self.views = [_SlotView(m, cache.views, cache.slots) for m in modules]
+        self.views = [SlotView(m, cache.views, cache.slots) for m in modules]
         graphs = graphs and cache.slots <= MAX_GROUPS
         self.graphs = GraphedSlotExperts(cache.slots, streams.device) if graphs else None
 

@@ -16,6 +16,7 @@ class Policy:
     prefetch_layer: bool = False  # prefetch every expert of layer l+1 while layer l computes
     prefill_lookahead: bool = False  # prefill routing >= 8 pairs per expert: layer l+1's first experts fetched early
     resident: bool = False  # no offload: every expert on the device (the upper bound)
+    host_compute: bool = False  # routed experts computed on the host CPU; only hidden states cross to it and back
 
 
 POLICIES = {p.name: p for p in [
@@ -31,6 +32,9 @@ POLICIES = {p.name: p for p in [
            overlap=False),
     Policy("full-layer", "prefetch all of layer l+1's experts while layer l computes (as MoESys)",
            prefetch_layer=True),
+    Policy("cpu-experts", "routed experts computed on the host CPU from pageable memory, attention, norms and "
+                          "routers on the GPU: only hidden states cross PCIe (as llama.cpp's --n-cpu-moe, "
+                          "KTransformers, Fiddler)", pinned=False, overlap=False, reuse=False, host_compute=True),
     Policy("all-resident", "every expert on the device; no offload (the upper bound, where it fits)", resident=True),
 ]}
 
