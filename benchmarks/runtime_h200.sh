@@ -13,6 +13,10 @@
 # PREDICTOR_COST=1: Qwen with a predictor artifact of the paper's widths and random weights (a trained predictor's
 #   device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
 #   -> runtime_qwen3-30b-a3b_predictor_cost_h200.json.
+# `per-module` is the engine's imitation of a per-module offload hook (named `accelerate` in the committed results,
+# made before Accelerate's own hooks became the `accelerate` policies); `accelerate-pinned` is Accelerate's own
+# offload from pinned memory (its pageable form, `--policy accelerate`, moves every expert each call at ~6 GB/s:
+# seconds a token at 16 layers). Needs `accelerate` on the machine (carry its wheel).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -29,7 +33,7 @@ MODELS=${MODELS:-"qwen3-30b-a3b mixtral-8x7b"}
 SHAPES=$(mktemp -d)
 for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-2}"
-      --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy accelerate
+      --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy per-module --policy accelerate-pinned
       --policy lru --policy full-layer --policy all-resident)
 for b in $BATCHES; do args+=(--batch-size "$b"); done
 bench() { python3 -m duoserve.cli.run bench "$@"; }

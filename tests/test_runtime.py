@@ -26,6 +26,7 @@ from duoserve.runtime import (
     ExpertsPlugin,
     OffloadEngine,
     offload,
+    offload_plugin,
     parse_bytes,
     timed_generate,
 )
@@ -55,7 +56,7 @@ def _offloaded_generations(model, tokenizer, device, predictor=None):
         policy = POLICIES[name]
         stores = offload(model, policy, device)
         try:
-            with OffloadEngine(model, stores, policy, predictor if policy.predict else None) as engine:
+            with offload_plugin(model, stores, policy, predictor if policy.predict else None) as engine:
                 results[name] = (_generate(model, tokenizer, device)[0], engine.stats())
         finally:
             put_experts(find_moe_layers(model), stores, device)
@@ -79,12 +80,52 @@ def test_every_policy_generates_what_the_all_resident_model_does(embedded):
         else:
             assert stats["copies"]["prefill"] > 0 and stats["bytes_h2d"]["decode"] > 0, name
     # experts that are never kept between calls are copied once per (call, layer, routed expert)
-    assert results["accelerate"][1]["bytes_h2d"] == results["on-demand"][1]["bytes_h2d"]
+    assert results["per-module"][1]["bytes_h2d"] == results["on-demand"][1]["bytes_h2d"]
+    # Accelerate moves every expert of a layer, each call: the whole layer's bytes per MoE layer call
+    layer_bytes = sum(p.nbytes for p in expert_params(find_moe_layers(model)[0].experts).values())
+    for name in ("accelerate", "accelerate-pinned"):
+        stats = results[name][1]
+        assert stats["bytes_h2d"]["decode"] == stats["copies"]["decode"] * layer_bytes > \
+            results["on-demand"][1]["bytes_h2d"]["decode"]
     assert results["full-layer"][1]["hit_rate"]["decode"] == 1.0  # the whole next layer is always there
     # undone cleanly: implementation, registry and parameters restored
     assert model.config._experts_implementation == implementation
     assert not [k for k in ALL_EXPERTS_FUNCTIONS if k.startswith("duoserve")]
     assert torch.equal(_generate(model, tokenizer)[0], reference)
+
+
+@pytest.mark.parametrize("name", ["accelerate", "accelerate-pinned"])
+def test_accelerate_policies_are_accelerates_own_offload_hooks(embedded, name, monkeypatch):
+    """The accelerate policies run Accelerate's AlignDevicesHook on every experts module, which moves the module's
+    parameters in before each call (from meta to the execution device), and leave no hook behind."""
+    from accelerate.hooks import AlignDevicesHook
+
+    model, tokenizer = embedded
+    reference = _generate(model, tokenizer)[0]
+    calls = []
+    pre_forward = AlignDevicesHook.pre_forward
+    def spy(self, module, *args, **kwargs):  # cpu_offload adds two: one moves the weights in, one the outputs back
+        if self.offload:
+            calls.append(module)
+        return pre_forward(self, module, *args, **kwargs)
+
+    monkeypatch.setattr(AlignDevicesHook, "pre_forward", spy)
+    layers = find_moe_layers(model)
+    stores = offload(model, POLICIES[name], "cpu")
+    try:
+        with offload_plugin(model, stores, POLICIES[name]) as plugin:
+            hooks = [getattr(layer.experts._hf_hook, "hooks", [layer.experts._hf_hook]) for layer in layers]
+            assert all(any(isinstance(h, AlignDevicesHook) for h in chain) for chain in hooks)
+            assert all(p.device.type == "meta" for p in layers[0].experts.parameters())  # offloaded between calls
+            tokens = _generate(model, tokenizer)[0]
+            stats = plugin.stats()
+        assert not any(hasattr(layer.experts, "_hf_hook") for layer in layers)
+    finally:
+        put_experts(layers, stores, "cpu")
+    assert torch.equal(tokens, reference)
+    moe_calls = stats["copies"]["prefill"] + stats["copies"]["decode"]
+    assert len(calls) == moe_calls > 0 and {id(m) for m in calls} == {id(layer.experts) for layer in layers}
+    assert torch.equal(_generate(model, tokenizer)[0], reference)  # the model is whole again
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
@@ -591,7 +632,7 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     assert len(runs) == 2 * (len(POLICIES) + 1)
     for B in (1, 2):
         # same prompts and routing for every policy: the no-reuse baselines move identical bytes
-        assert runs[("on-demand", None, B)]["bytes_h2d"] == runs[("accelerate", None, B)]["bytes_h2d"]
+        assert runs[("on-demand", None, B)]["bytes_h2d"] == runs[("per-module", None, B)]["bytes_h2d"]
         assert runs[("all-resident", None, B)]["ttft_vs_bound"] == 1.0
     oracle, none = (runs[("duoserve", p, 1)]["hit_rate"]["decode"] for p in ("oracle:1", "none"))
     assert oracle >= 0.5 and oracle > none  # layer 1 of 2 is predicted; 2k slots may also keep layer 0's

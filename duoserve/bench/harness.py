@@ -28,8 +28,7 @@ from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model, model_from_config, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
-from duoserve.runtime.engine import OffloadEngine
-from duoserve.runtime.generation import timed_generate
+from duoserve.runtime.generation import offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
@@ -166,18 +165,18 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         put_experts(layers, stores["model"], device)
         plugin = ExpertsPlugin(model, routing)
     else:
-        plugin = OffloadEngine(model, stores[expert_dtype if policy.pinned else "modules"], policy,
-                               _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
-                               s.engine, device)
+        plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy,
+                                _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
+                                s.engine, device)
     try:
         with plugin:
             timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator
-            if isinstance(plugin, OffloadEngine):
+            if not policy.resident:
                 plugin.reset_stats()
             gc.collect()
             op_us = host_op_us(device)
             _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True)
-            counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
+            counters = {} if policy.resident else plugin.stats()
     finally:
         if policy.resident:
             drop_experts(layers)

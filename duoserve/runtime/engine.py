@@ -70,6 +70,9 @@ class OffloadEngine(ExpertsPlugin):
                  device: torch.device | str | None = None):
         if policy.resident:
             raise ValueError("the all-resident policy runs the model as it is, with no engine")
+        if policy.accelerate:
+            raise ValueError(f"policy {policy.name} runs through Accelerate's hooks (duoserve.runtime.peers), not "
+                             "the engine")
         super().__init__(model, routing)
         self.policy, self.settings = policy, settings
         if len(stores) != self.L:

@@ -18,9 +18,11 @@ from duoserve.discovery import find_moe_layers
 from duoserve.loading import load_model, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.peers import AccelerateOffload
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.sources import RoutingSource
 from duoserve.runtime.quant import EXPERT_DTYPES, make_store
 from duoserve.runtime.store import HostExperts, put_experts, take_experts
 
@@ -50,6 +52,18 @@ def offload(model: nn.Module, policy: Policy, device: torch.device | str,
         stores = take_experts(layers, HostExperts.as_modules)
     model.to(device)
     return stores
+
+
+def offload_plugin(model: nn.Module, stores: list[HostExperts], policy: Policy, predictor=None,
+                   routing: RoutingSource | None = None, settings: EngineSettings = EngineSettings(),
+                   device: torch.device | str | None = None) -> OffloadEngine | AccelerateOffload:
+    """What runs ``model`` under an offload ``policy`` from ``stores``: Accelerate's own hooks for the accelerate
+    policies, else the engine (``predictor``, ``routing`` and ``settings`` as ``OffloadEngine`` takes them)."""
+    if policy.accelerate:
+        if predictor is not None:
+            raise ValueError(f"policy {policy.name} does not use a predictor")
+        return AccelerateOffload(model, stores, policy.accelerate == "pinned", routing, device)
+    return OffloadEngine(model, stores, policy, predictor, routing, settings, device)
 
 
 class _StepClock(BaseStreamer):
@@ -130,12 +144,12 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
         plugin, stores = ExpertsPlugin(net), None
     else:
         stores = offload(net, chosen, target, expert_dtype)
-        plugin = OffloadEngine(net, stores, chosen, scorer, settings=settings, device=target)
+        plugin = offload_plugin(net, stores, chosen, scorer, settings=settings, device=target)
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
     try:
         with plugin:
             out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
-            counters = plugin.stats() if isinstance(plugin, OffloadEngine) else {}
+            counters = {} if chosen.resident else plugin.stats()
     finally:
         if stores is not None:
             put_experts(plugin.layers, stores, target)

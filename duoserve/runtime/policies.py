@@ -17,6 +17,7 @@ class Policy:
     prefill_lookahead: bool = False  # prefill routing >= 8 pairs per expert: layer l+1's first experts fetched early
     resident: bool = False  # no offload: every expert on the device (the upper bound)
     host_compute: bool = False  # routed experts computed on the host CPU; only hidden states cross to it and back
+    accelerate: str = ""  # run by Accelerate's own offload hooks (``peers.py``) from "pageable" or "pinned" memory
 
 
 POLICIES = {p.name: p for p in [
@@ -26,8 +27,14 @@ POLICIES = {p.name: p for p in [
            predict=True, prefill_lookahead=True),
     Policy("on-demand", "fetch each routed expert at the gate and wait for it (pinned, one copy per expert)",
            overlap=False, reuse=False),
-    Policy("accelerate", "as Accelerate's cpu_offload: pageable memory, one blocking copy per parameter, nothing "
-                         "kept between calls", pinned=False, overlap=False, reuse=False),
+    Policy("accelerate", "Accelerate's own offload (cpu_offload, as from_pretrained(device_map=...) maps a module "
+                         "to cpu): every expert of a layer moved to the GPU per call, from pageable memory",
+           pinned=False, overlap=False, reuse=False, accelerate="pageable"),
+    Policy("accelerate-pinned", "Accelerate's own offload as above, its state dict in pinned memory",
+           pinned=False, overlap=False, reuse=False, accelerate="pinned"),
+    Policy("per-module", "the engine imitating a per-module offload hook that knew the routing: the routed experts "
+                         "only, from pageable memory, one blocking copy per parameter, nothing kept between calls",
+           pinned=False, overlap=False, reuse=False),
     Policy("lru", "on-demand fetches into an LRU expert cache of the same budget (as mixtral-offloading)",
            overlap=False),
     Policy("full-layer", "prefetch all of layer l+1's experts while layer l computes (as MoESys)",
