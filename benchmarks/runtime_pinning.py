@@ -55,11 +55,11 @@ def budget_slots(spec: str, L: int, E: int, k: int) -> int:
 
 
 def run_trace(name: str, trace: Path, args, device: torch.device, work: Path) -> list[dict]:
-    meta = open_trace(trace).meta
-    L, E, k = meta.num_layers, meta.num_experts, meta.top_k
+    opened = open_trace(trace)
+    L, E, k = opened.meta.num_layers, opened.meta.num_experts, opened.meta.top_k
     config = save_shape("qwen3-30b-a3b", work / name, num_layers=L, num_experts=E, num_experts_per_tok=k,
                         **(SMALL if args.small else {}))
-    keys = tuple(popular_keys(compute_stats(open_trace(trace)).popularity))
+    keys = tuple(popular_keys(compute_stats(opened).popularity))
     s = BenchSettings(model=str(config), config_only=True, device=str(device), routing=str(trace),
                       policies=["lru", "duoserve"], prompt_len=args.prompt_len, new_tokens=args.new_tokens)
     model, stores, bandwidth = prepare(s, [get_policy(p) for p in s.policies], device, print)

@@ -291,4 +291,4 @@ def test_bench_runs_each_expert_dtype_and_checks_its_ratios(tmp_path, arch_model
         checks = {t["target"]: t for t in saved["targets"] if t["expert_dtype"] == fmt}
         assert checks[f"{fmt} decode bytes per token <= "
                       f"{0.55 if fmt == 'fp8' else 0.3}x of the model dtype's"]["value"] == pytest.approx(ratio)
-        assert f"TTFT >= 1.8x better than accelerate" in checks  # accelerate has no dtype: compared with each
+        assert "TTFT >= 1.8x better than accelerate" in checks  # accelerate has no dtype: compared with each

@@ -32,7 +32,7 @@ from duoserve.runtime.generation import offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
-from duoserve.runtime.quant import EXPERT_DTYPES, make_store
+from duoserve.runtime.quant import check_expert_dtype, make_store
 from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
 
 
@@ -61,8 +61,7 @@ class BenchSettings:
         if self.layers and not self.config_only:
             raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
         for fmt in self.expert_dtypes:
-            if fmt not in EXPERT_DTYPES:
-                raise ValueError(f"unknown expert dtype {fmt!r}; choose from {', '.join(EXPERT_DTYPES)}")
+            check_expert_dtype(fmt)
 
     def run_count(self) -> int:
         """Timed runs of a bench with these settings (untimed warm-ups aside)."""

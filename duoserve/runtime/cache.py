@@ -46,7 +46,6 @@ class CacheStats:
     bytes: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     prefetched: int = 0  # copies made for a layer before its router ran
     prefetch_used: int = 0  # of those, experts the layer really routed to
-    pinned: int = 0  # experts kept resident for the cache's life (their copies are in no phase's bytes)
 
 
 class ExpertCache:
@@ -87,11 +86,17 @@ class ExpertCache:
 
     def room(self, busy: set[Key] | frozenset = frozenset()) -> int:
         """Open slots left for new experts while the ``busy`` keys stay (pinned ones take none of them)."""
-        return self.open_slots - len(busy - self.pinned)
+        return self.open_slots - (len(busy - self.pinned) if self.pinned else len(busy))
+
+    def fits(self, layer: int, experts: list[int]) -> bool:
+        """Whether ``experts`` of ``layer`` can all be resident at once (the pinned ones are, without a slot)."""
+        if not self.pinned:  # the decode step's case: no set built
+            return len(experts) <= self.slots
+        return sum((layer, e) not in self.pinned for e in experts) <= self.open_slots
 
     def pin(self, keys: list[Key], stores: list[HostExperts]) -> None:
         """Fill a slot with each of ``keys`` (layer, expert), on the copy stream, and keep them for the cache's life;
-        their copies count in no phase's bytes (``CacheStats.pinned``)."""
+        their copies count in no phase's bytes."""
         if len(keys) > self.slots - 1:
             raise ValueError(f"cannot pin {len(keys)} experts in a cache of {self.slots} slots; leave at least one")
         by_layer: dict[int, list[int]] = {}
@@ -100,7 +105,6 @@ class ExpertCache:
         for layer, experts in by_layer.items():
             self.fetch(layer, experts, stores[layer], None, self.pinned)
             self.pinned.update((layer, e) for e in experts)
-        self.stats.pinned = len(self.pinned)
 
     @property
     def nbytes(self) -> int:
@@ -220,7 +224,7 @@ class ExpertCache:
         """Copy the best-ranked (expert, score) pairs of ``layer`` before its router runs, as many as the cache holds
         besides the ``busy`` keys (which stay), on the copy stream; cached ones only get their score raised.
         ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
-        ranked = ranked[:self.room(set(busy))]
+        ranked = ranked[:self.room(busy)]
         self._wanted_for.setdefault(layer, set()).update(e for e, _ in ranked)
         fetch = []
         for e, score in ranked:

@@ -168,7 +168,7 @@ class OffloadEngine(ExpertsPlugin):
         hits = cache.resident(l, routing.needed, self.phase)
         missing = [e for e in routing.needed if e not in hits]
         ranked, prefetched = None, False  # the predicted experts, best first; their copies are queued
-        if self.phase == "decode" and len(missing) <= cache.room({(l, e) for e in hits}):
+        if self.phase == "decode" and cache.fits(l, routing.needed):
             # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
             with cpu("queue fetches"):
                 keep = {(l, e) for e in routing.needed}
@@ -212,7 +212,7 @@ class OffloadEngine(ExpertsPlugin):
 
     def reset_stats(self) -> None:
         self.streams.synchronize()
-        self.cache.stats = type(self.cache.stats)(pinned=len(self.cache.pinned))
+        self.cache.stats = type(self.cache.stats)()
         self.timers.reset()
 
     def stats(self) -> dict:
@@ -221,7 +221,7 @@ class OffloadEngine(ExpertsPlugin):
         copies were queued (``Streams.copy_path``)."""
         s = self.cache.stats
         return {
-            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes, "pinned_experts": s.pinned,
+            "cache_slots": self.cache.slots, "cache_bytes": self.cache.nbytes, "pinned_experts": len(self.cache.pinned),
             "bytes_h2d": dict(s.bytes), "copies": dict(s.copies),
             "hit_rate": {p: s.hits[p] / s.lookups[p] if s.lookups[p] else None for p in s.lookups},
             "prefetched": s.prefetched,

@@ -21,9 +21,9 @@ from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.peers import AccelerateOffload
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import Policy, get_policy
+from duoserve.runtime.quant import check_expert_dtype, make_store
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import RoutingSource
-from duoserve.runtime.quant import EXPERT_DTYPES, make_store
 from duoserve.runtime.store import HostExperts, put_experts, take_experts
 
 
@@ -36,8 +36,7 @@ def offload(model: nn.Module, policy: Policy, device: torch.device | str,
     undoes it, with quantized experts put back dequantized.
     """
     device = torch.device(device)
-    if expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"unknown expert dtype {expert_dtype!r}; choose from {', '.join(EXPERT_DTYPES)}")
+    check_expert_dtype(expert_dtype)
     layers = find_moe_layers(model)
     if policy.pinned:
         def store(params: dict[str, torch.Tensor]) -> HostExperts:

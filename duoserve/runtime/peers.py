@@ -36,8 +36,7 @@ class AccelerateOffload(ExpertsPlugin):
         pin = pin and self.device.type == "cuda"
         self._weights = [{n: (p.pin_memory() if pin else p) for n, p in store.modules.items()} for store in stores]
         self._layer_bytes = [sum(p.nbytes for p in weights.values()) for weights in self._weights]
-        self.bytes = {"prefill": 0, "decode": 0}
-        self.calls = {"prefill": 0, "decode": 0}
+        self.reset_stats()
 
     def __enter__(self):
         for layer, weights in zip(self.layers, self._weights):

@@ -44,6 +44,13 @@ _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
 
 
+def check_expert_dtype(fmt: str) -> str:
+    """``fmt`` if it names an expert dtype (``EXPERT_DTYPES``); refuses anything else."""
+    if fmt not in EXPERT_DTYPES:
+        raise ValueError(f"unknown expert dtype {fmt!r}; choose from {', '.join(EXPERT_DTYPES)}")
+    return fmt
+
+
 def _block(dim: int) -> int:
     return BLOCK if dim % BLOCK == 0 else dim
 
@@ -80,8 +87,8 @@ class QuantLayout:
 
     @classmethod
     def of(cls, layout: ExpertLayout, fmt: str) -> QuantLayout:
-        if fmt not in EXPERT_DTYPES[1:]:
-            raise ValueError(f"unknown expert dtype {fmt!r}; choose from {', '.join(EXPERT_DTYPES)}")
+        if check_expert_dtype(fmt) == "model":
+            raise ValueError("the model's own dtype has no quantized layout")
         segments, offset = [], 0
         for name, shape in zip(layout.names, layout.shapes):
             numel = math.prod(shape)

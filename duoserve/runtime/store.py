@@ -63,6 +63,8 @@ class ExpertLayout:
 class HostExperts:
     """One MoE layer's routed experts in host memory (packed or per module, see the module docstring)."""
 
+    dequantizes = False  # a quantized store's copies end on the dequant stream (``quant.py``)
+
     def __init__(self, layout: ExpertLayout, packed: torch.Tensor | None = None,
                  modules: dict[str, torch.Tensor] | None = None):
         self.layout, self.packed, self.modules = layout, packed, modules
@@ -97,8 +99,6 @@ class HostExperts:
         with streams.on(stream):
             for name, view in self.layout.views(slot_row[None]).items():
                 view[0].copy_(self.modules[name][expert])
-
-    dequantizes = False  # a quantized store's copies end on the dequant stream (``quant.py``)
 
     def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
                    stream, scratch: dict) -> None:
