@@ -55,7 +55,7 @@ def main() -> None:
         config.save_pretrained(folder)
         report = bench(BenchSettings(model=folder, config_only=True, device="cpu", dtype="float32",
                                      policies=["duoserve"], predictors=["oracle:1"], routing="random",
-                                     prompt_len=32, new_tokens=args.new_tokens, repeats=args.rounds))
+                                     prompt_lens=[32], new_tokens=args.new_tokens, repeats=args.rounds))
     for run in report["runs"]:
         # host_ms covers the prefill too: one forward pass of the new_tokens
         per_layer = {name: ms / args.new_tokens / args.layers * 1e3 for name, ms in run["host_ms"].items()}

@@ -61,11 +61,11 @@ def run_trace(name: str, trace: Path, args, device: torch.device, work: Path) ->
                         **(SMALL if args.small else {}))
     keys = tuple(popular_keys(compute_stats(opened).popularity))
     s = BenchSettings(model=str(config), config_only=True, device=str(device), routing=str(trace),
-                      policies=["lru", "duoserve"], prompt_len=args.prompt_len, new_tokens=args.new_tokens)
+                      policies=["lru", "duoserve"], prompt_lens=[args.prompt_len], new_tokens=args.new_tokens)
     model, stores, bandwidth = prepare(s, [get_policy(p) for p in s.policies], device, print)
     nbytes = stores["model"][0].layout.nbytes
     vocab = model.get_input_embeddings().num_embeddings
-    input_ids = torch.randint(vocab, (1, s.prompt_len), generator=torch.Generator().manual_seed(0)).to(device)
+    input_ids = torch.randint(vocab, (1, s.prompt_lens[0]), generator=torch.Generator().manual_seed(0)).to(device)
     runs = []
     run_policy(model, stores, get_policy("duoserve"), "none", s, input_ids, 2)  # untimed: kernels, allocator
     for spec in args.budgets.split(","):

@@ -97,7 +97,7 @@ def setup(s: BenchSettings, batch_size: int, device: torch.device) -> tuple:
     model = build_model(s, device)
     stores = {True: take_experts(find_moe_layers(model), lambda p: HostExperts.pack(p, pin=device.type == "cuda"))}
     model.to(device)
-    ids = torch.randint(model.get_input_embeddings().num_embeddings, (batch_size, s.prompt_len)).to(device)
+    ids = torch.randint(model.get_input_embeddings().num_embeddings, (batch_size, s.prompt_lens[0])).to(device)
     return model, stores, ids
 
 

@@ -128,6 +128,39 @@ def test_accelerate_policies_are_accelerates_own_offload_hooks(embedded, name, m
     assert torch.equal(_generate(model, tokenizer)[0], reference)  # the model is whole again
 
 
+def test_compiled_resident_decode_is_transformers_compiled_step_with_routing_in_its_graph(arch_models):
+    """The compute bound: a static cache makes generate compile the decode step (allowed on the CPU here through
+    the compile config's testing flag), it generates the eager model's tokens, and in-graph random routing is
+    traced into that graph with no break (a generator, host copy or event would break it)."""
+    from torch._dynamo.utils import counters
+    from transformers import CompileConfig
+
+    model, tokenizer = load_model(str(arch_models["mixtral"]), device="cpu")
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    args = (model, batch.input_ids, batch.attention_mask, 6)
+    reference = timed_generate(*args)[0]
+    config = CompileConfig(mode="default")
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    g = find_moe_layers(model)
+    routing = RandomRouting(len(g), model.config.num_local_experts, model.config.num_experts_per_tok, in_graph=True)
+    try:
+        with ExpertsPlugin(model):
+            assert torch.equal(timed_generate(*args, static_cache=True)[0], reference)
+        assert hasattr(model, "_compiled_call")  # generate took its compiled path
+        torch.compiler.reset()
+        counters.clear()
+        with ExpertsPlugin(model, routing):
+            routed = timed_generate(*args, static_cache=True)[0]
+        assert routed.shape == reference.shape and not counters["graph_break"]
+        assert counters["stats"]["unique_graphs"] >= 1
+    finally:
+        model.__dict__.pop("_compiled_call", None)
+        torch.compiler.reset()
+    with pytest.raises(RuntimeError, match="no host copy"):
+        routing.ids(0)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3"])
 def test_offload_matches_on_other_architectures(arch, arch_models):
     model, tokenizer = load_model(str(arch_models[arch]), device="cpu")
@@ -633,7 +666,11 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     for B in (1, 2):
         # same prompts and routing for every policy: the no-reuse baselines move identical bytes
         assert runs[("on-demand", None, B)]["bytes_h2d"] == runs[("per-module", None, B)]["bytes_h2d"]
-        assert runs[("all-resident", None, B)]["ttft_vs_bound"] == 1.0
+        # the fastest resident run is the bound of the others, and of itself
+        resident = [runs[(name, None, B)] for name, p in POLICIES.items() if p.resident]
+        assert min(r["ttft_vs_bound"] for r in resident) == 1.0 and all(r["ttft_vs_bound"] >= 1.0 for r in resident)
+        fastest = min(resident, key=lambda r: r["tpot_ms"])
+        assert fastest["tpot_vs_bound"] == 1.0 and fastest["decode_bound_by"] == fastest["policy"]
     oracle, none = (runs[("duoserve", p, 1)]["hit_rate"]["decode"] for p in ("oracle:1", "none"))
     assert oracle >= 0.5 and oracle > none  # layer 1 of 2 is predicted; 2k slots may also keep layer 0's
     assert {t["target"] for t in saved["targets"]} >= {"TTFT >= 1.8x better than accelerate",
@@ -644,6 +681,27 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     assert {t["at_least"] for t in saved["targets"] if "at_least" in t} == {1.8, 1.4}
     refused = runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--predictor", "oracle"])
     assert refused.exit_code == 2 and "routing" in refused.output
+
+
+def test_bench_axes_grid_varies_one_shape_at_a_time_and_bounds_within_a_shape(tmp_path, arch_models):
+    out = tmp_path / "bench.json"
+    result = runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--routing",
+                                     "random", "--policy", "on-demand", "--policy", "all-resident", "--prompt-len", "8",
+                                     "--prompt-len", "24", "--batch-size", "1", "--batch-size", "2", "--grid", "axes",
+                                     "--new-tokens", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads(out.read_text())
+    assert saved["prompt_lens"] == [8, 24] and saved["grid"] == "axes"
+    shapes = [(r["batch_size"], r["prompt_len"]) for r in saved["runs"]]
+    assert shapes == [(1, 8), (1, 8), (2, 8), (2, 8), (1, 24), (1, 24)]  # not (2, 24)
+    for r in saved["runs"]:  # each shape's bound is its own resident run's
+        resident = next(x for x in saved["runs"] if x["policy"] == "all-resident"
+                        and (x["batch_size"], x["prompt_len"]) == (r["batch_size"], r["prompt_len"]))
+        assert r["prefill_bound_s"] >= resident["ttft_s"]
+    on_demand = {r["prompt_len"]: r for r in saved["runs"] if r["policy"] == "on-demand" and r["batch_size"] == 1}
+    assert on_demand[24]["bytes_h2d"]["prefill"] > on_demand[8]["bytes_h2d"]["prefill"]  # more tokens, more experts
+    bad = runner.invoke(run_app, ["bench", "--grid", "diagonal", "--out", str(tmp_path / "x.json")])
+    assert bad.exit_code == 2 and "grid" in bad.output
 
 
 def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, arch_models):

@@ -30,12 +30,17 @@ class RandomRouting:
     On a GPU the draw costs a forward pass microseconds, as a router does; on the host it took tens of
     milliseconds at a 4096-token prefill, charged to every policy's TTFT but to no bound. The host copy that
     ``ids`` reads (for an oracle) is queued at once and waited for only when first read.
+
+    ``in_graph``: draw from the default generator and keep no host copy, so that ``torch.compile`` traces the
+    draw into the decode step's graph (a generator object, a host copy and an event would each break it);
+    then ``ids`` cannot be read (no oracle) and the draws are not seeded here.
     """
 
     def __init__(self, num_layers: int, num_experts: int, top_k: int, seed: int = 0,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", in_graph: bool = False):
         self.shape, self.device = (num_layers, num_experts, top_k), torch.device(device)
-        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self.in_graph = in_graph
+        self.generator = None if in_graph else torch.Generator(device=self.device).manual_seed(seed)
         self._ids: torch.Tensor | None = None  # L x T x k, on the host
         self._copied: torch.cuda.Event | None = None
         self._host: np.ndarray | None = None  # _ids once read: an oracle reads a layer per decode layer
@@ -44,6 +49,8 @@ class RandomRouting:
         L, E, k = self.shape
         # the top k of E uniform draws are a uniformly random k-subset
         ids = torch.rand(L, tokens, E, generator=self.generator, device=self.device).topk(k, dim=-1).indices
+        if self.in_graph:
+            return ids
         if self.device.type == "cuda":
             self._ids = ids.to("cpu", non_blocking=True)  # pinned, not waited for here
             self._copied = torch.cuda.Event()
@@ -54,6 +61,8 @@ class RandomRouting:
         return ids  # L x T x k, on the device
 
     def ids(self, layer: int) -> np.ndarray:
+        if self.in_graph:
+            raise RuntimeError("in-graph random routing keeps no host copy of its draws; an oracle cannot read it")
         if self._host is None:
             if self._copied is not None:
                 self._copied.synchronize()

@@ -45,7 +45,8 @@ class BenchSettings:
     device: str = "auto"
     policies: list[str] = field(default_factory=lambda: list(DEFAULT_POLICIES))
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    prompt_len: int = 512
+    prompt_lens: list[int] = field(default_factory=lambda: [512])
+    grid: str = "product"  # product: every (batch size, prompt length); axes: each varied at the other's first
     new_tokens: int = 128
     baseline_new_tokens: int | None = None  # fewer tokens for the fetch-bound baselines
     routing: str = "router"  # router, random, or a trace folder to replay
@@ -62,10 +63,19 @@ class BenchSettings:
             raise ValueError("--layers needs --config-only (a trained model keeps its layers)")
         for fmt in self.expert_dtypes:
             check_expert_dtype(fmt)
+        if self.grid not in ("product", "axes"):
+            raise ValueError(f"grid must be product or axes, got {self.grid!r}")
+
+    def shapes(self) -> list[tuple[int, int]]:
+        """The (batch size, prompt length) pairs the bench runs, in order."""
+        if self.grid == "product":
+            return [(b, S) for S in self.prompt_lens for b in self.batch_sizes]
+        S0, B0 = self.prompt_lens[0], self.batch_sizes[0]
+        return [(b, S0) for b in self.batch_sizes] + [(B0, S) for S in self.prompt_lens[1:]]
 
     def run_count(self) -> int:
         """Timed runs of a bench with these settings (untimed warm-ups aside)."""
-        return self.repeats * len(self.batch_sizes) * sum(
+        return self.repeats * len(self.shapes()) * sum(
             (len(self.predictors) if p == "duoserve" else 1) * len(self.dtypes_of(get_policy(p)))
             for p in self.policies)
 
@@ -123,11 +133,11 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _routing(s: BenchSettings, L: int, E: int, k: int, device: torch.device):
+def _routing(s: BenchSettings, L: int, E: int, k: int, device: torch.device, in_graph: bool = False):
     if s.routing == "router":
         return None
     if s.routing == "random":
-        return RandomRouting(L, E, k, seed=s.seed, device=device)
+        return RandomRouting(L, E, k, seed=s.seed, device=device, in_graph=in_graph)
     return ReplayRouting(s.routing, L, E, k)
 
 
@@ -158,10 +168,10 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
     device = input_ids.device
     layers = find_moe_layers(model)
     g = moe_geometry(model, layers)
-    routing = _routing(s, g.num_layers, g.num_experts, g.top_k, device)
+    routing = _routing(s, g.num_layers, g.num_experts, g.top_k, device, in_graph=policy.compiled)
     mask = torch.ones_like(input_ids)
     if policy.resident:
-        put_experts(layers, stores["model"], device)
+        put_experts(layers, stores[_resident_form(stores)], device)
         plugin = ExpertsPlugin(model, routing)
     else:
         plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy,
@@ -169,47 +179,76 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
                                 s.engine, device)
     try:
         with plugin:
-            timed_generate(model, input_ids, mask, 2)  # warm-up at full size: kernel loading, cuBLAS, allocator
+            # warm-up at full size: kernel loading, cuBLAS, allocator; a compiled decode step is compiled for its
+            # static cache's length, so its warm-up generates as many tokens as the timed run
+            timed_generate(model, input_ids, mask, new_tokens if policy.compiled else 2, fixed_length=True,
+                           static_cache=policy.compiled)
             if not policy.resident:
                 plugin.reset_stats()
             gc.collect()
             op_us = host_op_us(device)
-            _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True)
+            _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True,
+                                       static_cache=policy.compiled)
             counters = {} if policy.resident else plugin.stats()
     finally:
         if policy.resident:
             drop_experts(layers)
+        if policy.compiled:  # the compiled step and its CUDA graphs' memory pool go with the run
+            model.__dict__.pop("_compiled_call", None)
+            torch.compiler.reset()
         del plugin
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,
-            "dtype_fixed": not policy.pinned or policy.resident, "batch_size": len(input_ids), "host_op_us": op_us,
+            "dtype_fixed": not policy.pinned or policy.resident, "resident": policy.resident, "batch_size": len(input_ids),
+            "prompt_len": input_ids.shape[1], "host_op_us": op_us,
             **timing, **counters}
 
 
 def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
             say: Callable[[str], None]) -> tuple[torch.nn.Module, dict[str, list[HostExperts]], dict]:
     """The model on ``device`` with its experts taken off into the host stores ``policies`` read (``run_policy``'s
-    ``stores``: by expert dtype, "modules" for the per-module policies), and the copy bandwidth of one expert."""
+    ``stores``: by expert dtype, "modules" for the per-module policies), and the copy bandwidth of one expert.
+
+    Only the stores some policy reads are made, each straight from the model's parameters a layer at a time, so a
+    full-depth model keeps one host copy per form: no model-dtype copy beside quantized ones unless a policy
+    runs it, and the per-module copy pinned when Accelerate's pinned offload is its only reader (Accelerate then
+    uses it as its state dict, no second copy). The resident policies put back whichever store there is."""
     model = build_model(s, device)
     layers = find_moe_layers(model)
     pin = device.type == "cuda"
-    want_packed = any(p.pinned for p in policies)
-    want_modules = any(not p.pinned for p in policies)
-    pairs = take_experts(layers, lambda p: (HostExperts.pack(p, pin) if want_packed else None,
-                                            HostExperts.as_modules(p) if want_modules else None))
-    stores = {"model": [a for a, _ in pairs] if want_packed else None,
-              "modules": [b for _, b in pairs] if want_modules else None}
-    for fmt in {f for p in policies for f in s.dtypes_of(p)} - {"model"}:  # quantized from the model's own, there
-        say(f"quantizing the experts to {fmt}")
-        stores[fmt] = [make_store(store.params(device), fmt, pin) for store in stores["model"]]
-    bandwidth = copy_bandwidth(device, (stores["model"] or stores["modules"])[0].layout.nbytes)
+    packed = {f for p in policies if p.pinned and not p.resident for f in s.dtypes_of(p)}
+    readers = [p for p in policies if not p.pinned]
+    if not packed and not readers:  # resident policies only: a store to put the experts back from
+        packed = {"model"}
+    pin_modules = pin and bool(readers) and all(p.accelerate == "pinned" for p in readers)
+    quantized = sorted(packed - {"model"})
+    if quantized:
+        say(f"quantizing the experts to {', '.join(quantized)}")
+
+    def make(params: dict[str, torch.Tensor]) -> dict[str, HostExperts]:
+        forms = {fmt: make_store({n: p.to(device) for n, p in params.items()}, fmt, pin) for fmt in quantized}
+        if "model" in packed:
+            forms["model"] = HostExperts.pack(params, pin)
+        if readers:
+            forms["modules"] = HostExperts.as_modules(params, pin_modules)
+        return forms
+
+    per_layer = take_experts(layers, make)
+    stores = {form: [layer[form] for layer in per_layer] for form in per_layer[0]}
+    bandwidth = copy_bandwidth(device, stores[_resident_form(stores)][0].layout.nbytes)
     model.to(device)
     if device.type == "cuda":
         torch.cuda.empty_cache()
     gc.collect()
     gc.freeze()  # the model's many objects: out of the collector's way during timed runs
     return model, stores, bandwidth
+
+
+def _resident_form(stores: dict[str, list[HostExperts]]) -> str:
+    """The store the resident policies put back: the model's dtype where kept, else per module, else the first
+    quantized form (put back dequantized)."""
+    return next(f for f in ("model", "modules", *sorted(stores)) if f in stores)
 
 
 def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
@@ -223,16 +262,16 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     model, stores, bandwidth = prepare(s, policies, device, say)
     layers = find_moe_layers(model)
     geometry = moe_geometry(model, layers)
-    layout = (stores["model"] or stores["modules"])[0].layout
+    layout = stores[_resident_form(stores)][0].layout
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(s.seed)
     runs = []
     # all-resident first: its experts go on and off the device before any offload run is timed
-    order = sorted(policies, key=lambda p: not p.resident)
+    order = sorted(policies, key=lambda p: (not p.resident, p.compiled))  # a compiled run never warms the rest
     warm = [order[0]] + [p for p in order if not p.resident][:1 if order[0].resident else 0]
-    for batch in s.batch_sizes:
-        input_ids = torch.randint(vocab, (batch, s.prompt_len), generator=generator).to(device)
-        # untimed: a process's first offload run, and the first run at a new batch size (all-resident too), pay
+    for batch, prompt_len in s.shapes():
+        input_ids = torch.randint(vocab, (batch, prompt_len), generator=generator).to(device)
+        # untimed: a process's first offload run, and the first run at a new shape (all-resident too), pay
         # kernel loading and allocator growth that later runs do not
         for policy in warm:
             say(f"warm-up {policy.name} B={batch} (untimed)")
@@ -242,7 +281,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
             for policy, fmt, predictor in ((p, f, q) for p in order for f in s.dtypes_of(p)
                                            for q in (s.predictors if p.predict else ["none"])):
                 say(f"{policy.name}{'' if predictor == 'none' else ' ' + predictor}"
-                    f"{'' if fmt == 'model' else ' ' + fmt} B={batch}")
+                    f"{'' if fmt == 'model' else ' ' + fmt} B={batch} S={prompt_len}")
                 run = run_policy(model, stores, policy, predictor, s, input_ids, _new_tokens(s, policy), loaded, fmt)
                 run["round"] = round_
                 # config-only models may keep fewer layers than the real one: per-layer figures scale
@@ -258,7 +297,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
         "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
                      "expert_mb": layout.nbytes / 1e6,
                      "stored_expert_mb": {f: stores[f][0].row_bytes / 1e6 for f in s.expert_dtypes if stores.get(f)}},
-        "routing": s.routing, "prompt_len": s.prompt_len, "new_tokens": s.new_tokens,
+        "routing": s.routing, "prompt_lens": s.prompt_lens, "grid": s.grid, "new_tokens": s.new_tokens,
         "baseline_new_tokens": s.baseline_new_tokens,
         **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
         "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),

@@ -1,7 +1,9 @@
 """The bench's bounds and the runtime's acceptance targets, computed from a bench's runs.
 
 Bounds, per run: prefill >= max(prefill bytes / pinned bandwidth, all-resident TTFT); a decode
-step >= max(its bytes / pinned bandwidth, all-resident time per token). Runs of experts stored quantized
+step >= max(its bytes / pinned bandwidth, all-resident time per token), where the all-resident figures are the
+fastest of the resident runs (``all-resident``: transformers' eager decode; ``all-resident-compiled``: its static
+cache and compiled decode step) and each run records which one bounded it. Runs of experts stored quantized
 (``expert_dtype``) are compared with runs of the same dtype, and with the policies that have no dtype choice
 (all-resident, accelerate); their own targets are ratios against the model's dtype (``QUANT_TARGETS``).
 """
@@ -17,23 +19,28 @@ QUANT_TARGETS = {"fp8": (0.55, 0.65), "int4": (0.3, 0.45)}
 
 
 def _peers(a: dict, b: dict) -> bool:
-    """Runs that are compared: same batch size, same round, same expert dtype unless one has no choice of it."""
+    """Runs that are compared: same batch size, prompt length and round, same expert dtype unless one has no choice
+    of it."""
     dtypes = a.get("expert_dtype", "model") == b.get("expert_dtype", "model") or a.get("dtype_fixed", True) \
         or b.get("dtype_fixed", True)
-    return a["batch_size"] == b["batch_size"] and a["round"] == b["round"] and dtypes
+    return (a["batch_size"] == b["batch_size"] and a.get("prompt_len") == b.get("prompt_len")
+            and a["round"] == b["round"] and dtypes)
 
 
 def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
     """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
     for run in runs:
-        resident = next((r for r in runs if r["policy"] == "all-resident" and _peers(r, run)), None)
+        resident = [r for r in runs if r.get("resident", r["policy"] == "all-resident") and _peers(r, run)]
+        first = min(resident, key=lambda r: r["ttft_s"], default=None)
+        step = min((r for r in resident if r["tpot_ms"]), key=lambda r: r["tpot_ms"], default=None)
         bandwidth = (pinned_gbps or pageable_gbps) * GB
         moved = run.get("bytes_h2d", {"prefill": 0, "decode": 0})
         steps = max(run["new_tokens"] - 1, 1)
-        prefill = max(moved["prefill"] / bandwidth, resident["ttft_s"] if resident else 0.0)
-        decode = max(moved["decode"] / steps / bandwidth * 1e3, resident["tpot_ms"] if resident else 0.0)
+        prefill = max(moved["prefill"] / bandwidth, first["ttft_s"] if first else 0.0)
+        decode = max(moved["decode"] / steps / bandwidth * 1e3, step["tpot_ms"] if step else 0.0)
         run.update(prefill_bound_s=prefill, decode_bound_ms=decode, ttft_vs_bound=run["ttft_s"] / prefill,
-                   tpot_vs_bound=run["tpot_ms"] / decode if run["tpot_ms"] else None)
+                   tpot_vs_bound=run["tpot_ms"] / decode if run["tpot_ms"] else None,
+                   decode_bound_by=step["policy"] if step and decode == step["tpot_ms"] else "bytes")
 
 
 def check_targets(runs: list[dict]) -> list[dict]:
@@ -42,8 +49,8 @@ def check_targets(runs: list[dict]) -> list[dict]:
     checks = []
     for run in (r for r in runs if r["policy"] == "duoserve"):
         same = {r["policy"]: r for r in runs if _peers(r, run) and r["policy"] != "duoserve"}
-        tag = {"batch_size": run["batch_size"], "predictor": run["predictor"], "round": run["round"],
-               "expert_dtype": run.get("expert_dtype", "model")}
+        tag = {"batch_size": run["batch_size"], "prompt_len": run.get("prompt_len"), "predictor": run["predictor"],
+               "round": run["round"], "expert_dtype": run.get("expert_dtype", "model")}
         if "on-demand" in same and run["peak_gpu_bytes"] is not None:
             extra = (run["peak_gpu_bytes"] - same["on-demand"]["peak_gpu_bytes"]) / GB
             checks.append(_check(tag, "peak GPU memory <= on-demand + 0.3 GB", extra, at_most=0.3))
@@ -58,7 +65,7 @@ def check_targets(runs: list[dict]) -> list[dict]:
         fmt = run.get("expert_dtype", "model")
         base = next((r for r in runs if r["policy"] == "duoserve" and r.get("expert_dtype", "model") == "model"
                      and r["predictor"] == run["predictor"] and r["batch_size"] == run["batch_size"]
-                     and r["round"] == run["round"]), None)
+                     and r.get("prompt_len") == run.get("prompt_len") and r["round"] == run["round"]), None)
         if fmt in QUANT_TARGETS and base is not None and run["batch_size"] == 1 and base["bytes_h2d"]["decode"]:
             bytes_limit, tpot_limit = QUANT_TARGETS[fmt]
             checks.append(_check(tag, f"{fmt} decode bytes per token <= {bytes_limit}x of the model dtype's",
@@ -67,12 +74,13 @@ def check_targets(runs: list[dict]) -> list[dict]:
                                  run["tpot_ms"] / base["tpot_ms"], at_most=tpot_limit))
     rounds: dict[tuple, list[dict]] = {}
     for c in checks:
-        rounds.setdefault((c["batch_size"], c["predictor"], c["expert_dtype"], c["target"]), []).append(c)
-    for (batch, predictor, fmt, target), group in rounds.items():
+        rounds.setdefault((c["batch_size"], c["prompt_len"], c["predictor"], c["expert_dtype"], c["target"]),
+                          []).append(c)
+    for (batch, prompt_len, predictor, fmt, target), group in rounds.items():
         if len(group) > 1:
             limits = {k: group[0][k] for k in ("at_most", "at_least") if k in group[0]}
-            checks.append(_check({"batch_size": batch, "predictor": predictor, "round": "median",
-                                  "expert_dtype": fmt}, target,
+            checks.append(_check({"batch_size": batch, "prompt_len": prompt_len, "predictor": predictor,
+                                  "round": "median", "expert_dtype": fmt}, target,
                                  statistics.median(c["value"] for c in group), **limits))
     return checks
 

@@ -111,7 +111,11 @@ def bench_cmd(
     routing: Annotated[str, typer.Option(
         help="router (the model's own), random (uniform top-k, seeded) or a trace folder to replay.")] = "router",
     batch_size: Annotated[Optional[list[int]], typer.Option(help="Repeatable. [default: 1]")] = None,
-    prompt_len: Annotated[int, typer.Option(min=1, help="Prompt tokens (random ids).")] = 512,
+    prompt_len: Annotated[Optional[list[int]], typer.Option(
+        min=1, help="Repeatable: prompt tokens (random ids). [default: 512]")] = None,
+    grid: Annotated[str, typer.Option(
+        help="product: every batch size at every prompt length; axes: the batch sizes at the first prompt length, "
+             "then the other prompt lengths at the first batch size.")] = "product",
     new_tokens: Annotated[int, typer.Option(min=2, help="Tokens generated per run (2 or more: a time per token "
                                                         "needs two).")] = 128,
     baseline_new_tokens: Annotated[Optional[int], typer.Option(
@@ -139,7 +143,7 @@ def bench_cmd(
         check_output(out)
         s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
                           policies=policy or list(DEFAULT_POLICIES), batch_sizes=batch_size or [1],
-                          prompt_len=prompt_len, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
+                          prompt_lens=prompt_len or [512], grid=grid, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
                           engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin),
                           expert_dtypes=expert_dtype or ["model"])
@@ -158,13 +162,15 @@ def _print_bench(result: dict, rounds: bool) -> None:
     round_col = ["round"] if rounds else []
     dtypes = len({r["expert_dtype"] for r in result["runs"]}) > 1
     dtype_col = ["experts"] if dtypes else []
-    latency = table("latency and memory", "policy", *dtype_col, "predictor", "B", *round_col, "TTFT s", "bound",
-                    "TPOT ms", "bound", "peak GB")
-    traffic = table("host-to-device copies", "policy", *dtype_col, "predictor", "B", *round_col, "prefill GB",
-                    "decode GB", "decode hits", "stall ms", "pred. ms")
+    prompts = len(result["prompt_lens"]) > 1
+    prompt_col = ["S"] if prompts else []
+    latency = table("latency and memory", "policy", *dtype_col, "predictor", "B", *prompt_col, *round_col, "TTFT s",
+                    "bound", "TPOT ms", "bound", "peak GB")
+    traffic = table("host-to-device copies", "policy", *dtype_col, "predictor", "B", *prompt_col, *round_col,
+                    "prefill GB", "decode GB", "decode hits", "stall ms", "pred. ms")
     for r in result["runs"]:
         who = (r["policy"], *([r["expert_dtype"]] if dtypes else []), r["predictor"] or "-", str(r["batch_size"]),
-               *([str(r["round"])] if rounds else []))
+               *([str(r["prompt_len"])] if prompts else []), *([str(r["round"])] if rounds else []))
         latency.add_row(*who, num(r["ttft_s"]), num(r["prefill_bound_s"]), num(r["tpot_ms"], ".2f"),
                         num(r["decode_bound_ms"], ".2f"), gb(r["peak_gpu_bytes"]))
         if "bytes_h2d" in r:
@@ -176,9 +182,10 @@ def _print_bench(result: dict, rounds: bool) -> None:
         console.print("The CPU stood in for a GPU: bytes, hit rates and correctness carry over, times do not. The "
                       "runtime's targets are GPU targets and are not checked here (docs/runtime.md has the H200's).")
     elif result["targets"]:
-        targets = table("targets", "B", *dtype_col, "predictor", *round_col, "target", "value", "met")
+        targets = table("targets", "B", *prompt_col, *dtype_col, "predictor", *round_col, "target", "value", "met")
         for t in result["targets"]:
-            targets.add_row(str(t["batch_size"]), *([t["expert_dtype"]] if dtypes else []), t["predictor"],
+            targets.add_row(str(t["batch_size"]), *([str(t["prompt_len"])] if prompts else []),
+                            *([t["expert_dtype"]] if dtypes else []), t["predictor"],
                             *([str(t["round"])] if rounds else []), t["target"], num(t["value"], ".2f"),
                             "yes" if t["met"] else "[red]no[/]")
         console.print(targets)

@@ -48,7 +48,8 @@ def offload(model: nn.Module, policy: Policy, device: torch.device | str,
         raise ValueError(f"policy {policy.name} copies the model's own parameters; quantized experts "
                          f"({expert_dtype}) need a policy with packed stores")
     else:
-        stores = take_experts(layers, HostExperts.as_modules)
+        pin = policy.accelerate == "pinned" and device.type == "cuda"  # Accelerate's state dict, one copy
+        stores = take_experts(layers, lambda params: HostExperts.as_modules(params, pin))
     model.to(device)
     return stores
 
@@ -79,8 +80,11 @@ class _StepClock(BaseStreamer):
 
 
 def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
-                   fixed_length: bool = False) -> tuple[torch.Tensor, dict]:
+                   fixed_length: bool = False, static_cache: bool = False) -> tuple[torch.Tensor, dict]:
     """Greedy generation of up to ``new_tokens`` (exactly, with ``fixed_length``) and its timings.
+
+    ``static_cache``: a static KV cache, with which transformers' ``generate`` compiles the decode step
+    (``torch.compile``, CUDA graphs; on a GPU, or wherever ``generation_config.compile_config`` allows it).
 
     Returns the B x (S + N) sequences and ttft_s (prompt in -> first token out), tpot_ms (mean gap
     between later tokens), e2e_s, new_tokens, and peak_gpu_bytes (allocator peak during the call, GPU only).
@@ -99,7 +103,8 @@ def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     with torch.no_grad():
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens if fixed_length else None, do_sample=False,
-                             streamer=clock, pad_token_id=pad)
+                             streamer=clock, pad_token_id=pad,
+                             cache_implementation="static" if static_cache else None)
     if cuda:
         torch.cuda.synchronize(device)
     end = time.perf_counter()
@@ -147,7 +152,8 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
     try:
         with plugin:
-            out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens)
+            out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens,
+                                         static_cache=chosen.compiled)
             counters = {} if chosen.resident else plugin.stats()
     finally:
         if stores is not None:

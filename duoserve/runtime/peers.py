@@ -24,8 +24,9 @@ from duoserve.runtime.store import HostExperts, drop_experts
 
 class AccelerateOffload(ExpertsPlugin):
     """Inside ``with``, every experts module of ``model`` is offloaded by Accelerate's ``cpu_offload`` to run on
-    ``device`` from the parameters in ``stores`` (per-module host stores; ``pin`` copies them to pinned memory
-    first, where a GPU is present); leaving it removes the hooks and the parameters again."""
+    ``device`` from the parameters in ``stores`` (per-module host stores; with ``pin``, where a GPU is present,
+    those not pinned yet are copied to pinned memory first); leaving it removes the hooks and the parameters
+    again."""
 
     def __init__(self, model: nn.Module, stores: list[HostExperts], pin: bool, routing: RoutingSource | None = None,
                  device: torch.device | str | None = None):
@@ -34,7 +35,8 @@ class AccelerateOffload(ExpertsPlugin):
             raise ValueError("Accelerate's offload reads per-module expert stores (HostExperts.as_modules)")
         self.device = torch.device(device) if device is not None else self.device
         pin = pin and self.device.type == "cuda"
-        self._weights = [{n: (p.pin_memory() if pin else p) for n, p in store.modules.items()} for store in stores]
+        self._weights = [{n: p.pin_memory() if pin and not p.is_pinned() else p for n, p in store.modules.items()}
+                         for store in stores]
         self._layer_bytes = [sum(p.nbytes for p in weights.values()) for weights in self._weights]
         self.reset_stats()
 

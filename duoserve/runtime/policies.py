@@ -16,6 +16,7 @@ class Policy:
     prefetch_layer: bool = False  # prefetch every expert of layer l+1 while layer l computes
     prefill_lookahead: bool = False  # prefill routing >= 8 pairs per expert: layer l+1's first experts fetched early
     resident: bool = False  # no offload: every expert on the device (the upper bound)
+    compiled: bool = False  # static KV cache, so transformers' generate compiles the decode step (CUDA graphs)
     host_compute: bool = False  # routed experts computed on the host CPU; only hidden states cross to it and back
     accelerate: str = ""  # run by Accelerate's own offload hooks (``peers.py``) from "pageable" or "pinned" memory
 
@@ -42,7 +43,11 @@ POLICIES = {p.name: p for p in [
     Policy("cpu-experts", "routed experts computed on the host CPU from pageable memory, attention, norms and "
                           "routers on the GPU: only hidden states cross PCIe (as llama.cpp's --n-cpu-moe, "
                           "KTransformers, Fiddler)", pinned=False, overlap=False, reuse=False, host_compute=True),
-    Policy("all-resident", "every expert on the device; no offload (the upper bound, where it fits)", resident=True),
+    Policy("all-resident", "every expert on the device; no offload; transformers' eager decode", resident=True),
+    Policy("all-resident-compiled", "every expert on the device, a static KV cache, and transformers' own "
+                                    "torch.compile of the decode step (CUDA graphs on a GPU): the fastest "
+                                    "all-resident decode a transformers user gets (the compute bound)",
+           resident=True, compiled=True),
 ]}
 
 

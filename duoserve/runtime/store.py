@@ -81,9 +81,10 @@ class HostExperts:
         return cls(layout, packed=packed)
 
     @classmethod
-    def as_modules(cls, params: dict[str, torch.Tensor]) -> HostExperts:
-        """The parameters as they are (moved to pageable host memory if elsewhere)."""
-        return cls(ExpertLayout.of(params), modules={n: p.cpu().contiguous() for n, p in params.items()})
+    def as_modules(cls, params: dict[str, torch.Tensor], pin: bool = False) -> HostExperts:
+        """The parameters as they are, in host memory: pageable (moved there if elsewhere), or pinned if ``pin``."""
+        host = {n: p.cpu().contiguous() for n, p in params.items()}
+        return cls(ExpertLayout.of(params), modules={n: p.pin_memory() for n, p in host.items()} if pin else host)
 
     @property
     def row_bytes(self) -> int:
