@@ -700,8 +700,29 @@ def test_bench_axes_grid_varies_one_shape_at_a_time_and_bounds_within_a_shape(tm
         assert r["prefill_bound_s"] >= resident["ttft_s"]
     on_demand = {r["prompt_len"]: r for r in saved["runs"] if r["policy"] == "on-demand" and r["batch_size"] == 1}
     assert on_demand[24]["bytes_h2d"]["prefill"] > on_demand[8]["bytes_h2d"]["prefill"]  # more tokens, more experts
+    assert saved["complete"] is True
     bad = runner.invoke(run_app, ["bench", "--grid", "diagonal", "--out", str(tmp_path / "x.json")])
     assert bad.exit_code == 2 and "grid" in bad.output
+
+
+def test_a_stopped_bench_keeps_the_runs_it_measured(tmp_path, arch_models, monkeypatch):
+    import duoserve.bench.harness as harness
+
+    calls, run_policy = [], harness.run_policy
+    def stop_at_the_fifth(*args, **kwargs):  # two warm-ups, two timed runs, then the machine goes away
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+        return run_policy(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "run_policy", stop_at_the_fifth)
+    out = tmp_path / "bench.json"
+    runner.invoke(run_app, ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--routing", "random",
+                            "--policy", "on-demand", "--policy", "all-resident", "--batch-size", "1", "--batch-size",
+                            "2", "--prompt-len", "8", "--new-tokens", "3", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False and [r["policy"] for r in saved["runs"]] == ["all-resident", "on-demand"]
+    assert saved["runs"][1]["prefill_bound_s"] >= saved["runs"][0]["ttft_s"]  # bounds hold within what was kept
 
 
 def test_bench_repeats_interleave_rounds_and_compare_within_a_round(tmp_path, arch_models):

@@ -32,7 +32,7 @@ from duoserve.runtime.generation import offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
-from duoserve.runtime.quant import check_expert_dtype, make_store
+from duoserve.runtime.quant import EXPERT_DTYPES, check_expert_dtype, make_store
 from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
 
 
@@ -199,6 +199,8 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         del plugin
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if policy.resident:  # the form put back: a quantized one computes its dequantized weights
+        expert_dtype = _resident_form(stores) if _resident_form(stores) in EXPERT_DTYPES else "model"
     return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,
             "dtype_fixed": not policy.pinned or policy.resident, "resident": policy.resident, "batch_size": len(input_ids),
             "prompt_len": input_ids.shape[1], "host_op_us": op_us,
@@ -251,10 +253,12 @@ def _resident_form(stores: dict[str, list[HostExperts]]) -> str:
     return next(f for f in ("model", "modules", *sorted(stores)) if f in stores)
 
 
-def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
+def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
           on_status: Callable[[str], None] | None = None) -> dict:
-    """Run every (batch size, policy, predictor) of ``s``; the results as one JSON-ready dict. ``on_run`` gets each
-    timed run's result, ``on_status`` a line saying what runs next (untimed warm-ups included)."""
+    """Run every (shape, policy, predictor) of ``s``; the results as one JSON-ready dict. ``on_run`` gets each timed
+    run's result and the report of every run so far (``"complete": False`` until the last; a caller that writes
+    it keeps what a long bench measured if it is stopped), ``on_status`` a line saying what runs next (untimed
+    warm-ups included)."""
     say = on_status or (lambda text: None)
     policies = [get_policy(p) for p in s.policies]
     loaded = _load_predictors(s.predictors, s.routing)
@@ -266,6 +270,22 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(s.seed)
     runs = []
+
+    def report(complete: bool) -> dict:
+        add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
+        return {
+            "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
+            "model": s.model, "config_only": s.config_only, "dtype": str(layout.dtype),
+            "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
+                         "expert_mb": layout.nbytes / 1e6,
+                         "stored_expert_mb": {f: stores[f][0].row_bytes / 1e6 for f in s.expert_dtypes
+                                              if stores.get(f)}},
+            "routing": s.routing, "prompt_lens": s.prompt_lens, "grid": s.grid, "new_tokens": s.new_tokens,
+            "baseline_new_tokens": s.baseline_new_tokens,
+            **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
+            "bandwidth": bandwidth, "complete": complete, "runs": runs, "targets": check_targets(runs),
+        }
+
     # all-resident first: its experts go on and off the device before any offload run is timed
     order = sorted(policies, key=lambda p: (not p.resident, p.compiled))  # a compiled run never warms the rest
     warm = [order[0]] + [p for p in order if not p.resident][:1 if order[0].resident else 0]
@@ -274,9 +294,9 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
         # untimed: a process's first offload run, and the first run at a new shape (all-resident too), pay
         # kernel loading and allocator growth that later runs do not
         for policy in warm:
-            say(f"warm-up {policy.name} B={batch} (untimed)")
+            say(f"warm-up {policy.name} B={batch} S={prompt_len} (untimed)")
             run_policy(model, stores, policy, s.predictors[0] if policy.predict else "none", s, input_ids,
-                       _new_tokens(s, policy), loaded)
+                       _new_tokens(s, policy), loaded, s.dtypes_of(policy)[0])
         for round_ in range(s.repeats):
             for policy, fmt, predictor in ((p, f, q) for p in order for f in s.dtypes_of(p)
                                            for q in (s.predictors if p.predict else ["none"])):
@@ -289,19 +309,8 @@ def bench(s: BenchSettings, on_run: Callable[[dict], None] | None = None,
                                         "tpot_ms": run["tpot_ms"] / geometry.num_layers if run["tpot_ms"] else None}
                 runs.append(run)
                 if on_run:
-                    on_run(run)
-    add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
-    return {
-        "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
-        "model": s.model, "config_only": s.config_only, "dtype": str(layout.dtype),
-        "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
-                     "expert_mb": layout.nbytes / 1e6,
-                     "stored_expert_mb": {f: stores[f][0].row_bytes / 1e6 for f in s.expert_dtypes if stores.get(f)}},
-        "routing": s.routing, "prompt_lens": s.prompt_lens, "grid": s.grid, "new_tokens": s.new_tokens,
-        "baseline_new_tokens": s.baseline_new_tokens,
-        **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
-        "bandwidth": bandwidth, "runs": runs, "targets": check_targets(runs),
-    }
+                    on_run(run, report(complete=False))
+    return report(complete=True)
 
 
 def _new_tokens(s: BenchSettings, policy: Policy) -> int:

@@ -148,7 +148,11 @@ def bench_cmd(
                           engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin),
                           expert_dtypes=expert_dtype or ["model"])
         with progress("policies", total=s.run_count()) as update:
-            result = bench(s, on_run=lambda run: update(advance=1), on_status=lambda text: update(description=text))
+            def on_run(run: dict, so_far: dict) -> None:  # what was measured survives a stopped bench
+                write_result(out, so_far)
+                update(advance=1)
+
+            result = bench(s, on_run=on_run, on_status=lambda text: update(description=text))
     _print_bench(result, rounds=s.repeats > 1)
     write_result(out, result)
     console.print(f"results: {out}")

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The offload runtime at the models' real depth on the H200 (Qwen3-30B-A3B: 48 layers, 58 GB of bf16 experts;
+# Mixtral-8x7B: 32 layers, 90 GB), random weights, uniform random routing, one pinned host copy per process
+# (128 GiB of host memory holds one). Each PART is one device call of at most 10 minutes; results are written
+# after every run, so a stopped part keeps what it measured ("complete": false):
+#   PART=qwen        duoserve (oracle:1), on-demand, lru and both all-resident references; batch 1, 8, 4, 16 at
+#                    prompt 512, then prompt 128 and 2048 at B=1 (--grid axes)
+#                    -> runtime_full_qwen3-30b-a3b_h200.json
+#   PART=accelerate  Accelerate's pinned offload and the eager all-resident reference, B=1 and 8, prompt 512, for
+#                    Qwen (bf16) and Mixtral (bf16: its 90 GB per-module copy is the process's only one)
+#                    -> runtime_full_accelerate_{qwen3-30b-a3b,mixtral-8x7b}_h200.json
+#   PART=mixtral     Mixtral with experts stored fp8 (45 GB; bf16 and a second copy would not fit beside it):
+#                    duoserve (oracle:1), on-demand, lru and both all-resident references (put back dequantized),
+#                    B=1 and 8, prompt 512, a 2-expert cache as on-demand holds -> runtime_full_mixtral-8x7b_h200.json
+# python benchmarks/runtime_sweep.py merges a model's files (ratios against the accelerate part's runs come from
+# a second process on the same machine) and draws TPOT versus batch and TTFT versus prompt length.
+set -euo pipefail
+OUT=${OUT:-benchmarks/results}
+NEW_TOKENS=${NEW_TOKENS:-32}
+SHAPES=$(mktemp -d)
+for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
+bench() { python3 -m duoserve.cli.run bench --config-only --routing random "$@"; }
+case "${PART:?set PART to qwen, accelerate or mixtral}" in
+qwen)
+    bench --model "$SHAPES/qwen3-30b-a3b" --grid axes --batch-size 1 --batch-size 8 --batch-size 4 --batch-size 16 \
+        --prompt-len 512 --prompt-len 128 --prompt-len 2048 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 \
+        --predictor oracle:1 --policy duoserve --policy on-demand --policy lru --policy all-resident \
+        --policy all-resident-compiled --out "$OUT/runtime_full_qwen3-30b-a3b_h200.json" ;;
+accelerate)
+    for model in qwen3-30b-a3b mixtral-8x7b; do
+        bench --model "$SHAPES/$model" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 8 \
+            --policy accelerate-pinned --policy all-resident --out "$OUT/runtime_full_accelerate_${model}_h200.json"
+    done ;;
+mixtral)
+    bench --model "$SHAPES/mixtral-8x7b" --expert-dtype fp8 --gpu-expert-budget 705MB --batch-size 1 --batch-size 8 \
+        --prompt-len 512 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve \
+        --policy on-demand --policy lru --policy all-resident --policy all-resident-compiled \
+        --out "$OUT/runtime_full_mixtral-8x7b_h200.json" ;;
+*) echo "unknown PART $PART" >&2; exit 2 ;;
+esac
