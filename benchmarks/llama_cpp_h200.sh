@@ -15,6 +15,7 @@
 # llama.cpp's offload for MoE models too large for the GPU) and (b) everything on the GPU; then duoserve's bench on
 # the same shape (duoserve, cpu-experts, on-demand, all-resident, all-resident-compiled). Results:
 #   $OUT/llama_cpp_mixtral-8x7b_h200.json (llama.cpp's jsonl rows, parsed) and $OUT/runtime_vs_llama_cpp_h200.json.
+# DUOSERVE=0 stops after llama.cpp (the build takes minutes of a 10-minute call).
 # The model's own routers run in llama.cpp (random weights make them degenerate: a few experts take every token),
 # uniform random routing in duoserve's bench; at B=1 each token computes k experts either way.
 set -euo pipefail
@@ -65,6 +66,7 @@ write_result(out, {"peer": "llama.cpp llama-batched-bench (CUDA, sm_90), bf16 GG
 for r in runs:
     print(f"llama.cpp {r['placement']:8s} B={r['batch_size']}: TTFT {r['ttft_s']:.3f} s, TPOT {r['tpot_ms']:.2f} ms")
 PY
+[ "${DUOSERVE:-1}" = 0 ] && exit  # llama.cpp only (DUOSERVE=0): the duoserve side in another call
 shapes=$(mktemp -d)
 python3 -m duoserve.bench.shapes mixtral-8x7b "$shapes/mixtral-8x7b"
 python3 -m duoserve.cli.run bench --model "$shapes/mixtral-8x7b" --config-only --layers "$LAYERS" --routing random \
