@@ -42,6 +42,8 @@ CASES = [
     ("run", "bench --prompt-len 0 --out {tmp}/b.json", "--prompt-len"),
     ("run", "bench --predictor oracle:2 --routing random --out {tmp}/b.json", "oracle:2"),
     ("run", "bench --new-tokens 4 --prompt-len 8 --out {file}/x.json", "is a file"),
+    ("run", "profile --model {tmp}/no/such/model --out {tmp}/p.json", "no/such/model"),
+    ("run", "profile --model embedded --tokens 0 --out {tmp}/p.json", "--tokens"),
     ("run", "generate --new-tokens 4 --out {file}/x.json", "is a file"),
     ("eval", "accuracy {trace} --predictor {predictor} --out {file}", "is a file"),
     ("eval", "accuracy {trace} --predictor {predictor} --out {busy}", "holds other files"),

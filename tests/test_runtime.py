@@ -869,3 +869,35 @@ def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_
     assert results[True][2] is None and len(results[False][2]._graphs) > 0  # replays did run
     assert torch.equal(results[True][0], results[False][0])
     assert results[False][1]["prefetched"] > 0 and results[False][1]["predictor_ms"] > 0
+
+
+def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(tmp_path, arch_models):
+    from duoserve.bench.profile import PROFILE_FIELDS, load_profile
+
+    out = tmp_path / "cpu.json"
+    result = runner.invoke(run_app, ["profile", "--model", str(arch_models["mixtral"]), "--batch-size", "1",
+                                     "--batch-size", "2", "--context", "8", "--tokens", "1", "--tokens", "16",
+                                     "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    profile = load_profile(out)
+    assert profile["provenance"]["machine"]  # a profile says which machine it describes
+    g = profile["geometry"]
+    layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]
+    assert g["expert_bytes"] == sum(p[0].nbytes for p in expert_params(layer.experts).values())
+    assert g["expert_bytes"] in [c["bytes"] for c in profile["copy"]]  # one expert's own copy size is measured
+    assert all(c["pageable_gbps"] > 0 for c in profile["copy"])
+    assert [e["tokens"] for e in profile["expert_ms"]] == [1, 16] and all(e["ms"] > 0 for e in profile["expert_ms"])
+    assert set(profile["dequant_ms"]) == {"fp8", "int4"}
+    assert [(r["batch"], r["context"]) for r in profile["layer_ms"]] == [(1, 8), (2, 8)]
+    assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in profile["layer_ms"])
+    assert "per layer without its experts" in result.output
+    for name in PROFILE_FIELDS:
+        broken = dict(profile)
+        del broken[name]
+        path = tmp_path / f"no-{name}.json"
+        path.write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match=f"lacks {name}"):
+            load_profile(path)
+    (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
+    with pytest.raises(ValueError, match="not a version-1 device profile"):
+        load_profile(tmp_path / "old.json")

@@ -274,7 +274,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
     def report(complete: bool) -> dict:
         add_bounds(runs, bandwidth["pinned_gbps"], bandwidth["pageable_gbps"])
         return {
-            "duoserve": duoserve.__version__, "torch": torch.__version__, "device": _device_name(device),
+            "duoserve": duoserve.__version__, "torch": torch.__version__, "device": device_name(device),
             "model": s.model, "config_only": s.config_only, "dtype": str(layout.dtype),
             "geometry": {"moe_layers": geometry.num_layers, "experts": geometry.num_experts, "top_k": geometry.top_k,
                          "expert_mb": layout.nbytes / 1e6,
@@ -319,5 +319,6 @@ def _new_tokens(s: BenchSettings, policy: Policy) -> int:
     return s.baseline_new_tokens if slow and s.baseline_new_tokens else s.new_tokens
 
 
-def _device_name(device: torch.device) -> str:
+def device_name(device: torch.device) -> str:
+    """The GPU's name, or "cpu"."""
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

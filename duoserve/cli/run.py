@@ -158,6 +158,52 @@ def bench_cmd(
     console.print(f"results: {out}")
 
 
+@app.command("profile")
+def profile_cmd(
+    model: Annotated[str, typer.Option(
+        help="A model config (hub id, local path or checkpoint folder): its shape is built with random weights.")],
+    layers: Annotated[int, typer.Option(min=1, help="Decoder layers built (costs are per layer).")] = 2,
+    batch_size: Annotated[Optional[list[int]], typer.Option(
+        min=1, help="Repeatable: batch sizes of the per-layer costs. [default: 1, 8]")] = None,
+    context: Annotated[Optional[list[int]], typer.Option(
+        min=1, help="Repeatable: context (prompt) lengths of the per-layer costs. [default: 128, 512]")] = None,
+    tokens: Annotated[Optional[list[int]], typer.Option(
+        min=1, help="Repeatable: tokens routed to one expert for its GEMM time. [default: 1, 8, 64, 512]")] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
+    dtype: DtypeOption = "auto",
+    out: Annotated[Path, typer.Option(help="The profile (JSON, with the commit, machine and command).")]
+    = Path("gpu.json"),
+) -> None:
+    """Measure this machine's offload costs for a model shape: copy bandwidth by size, the host cost of a copy,
+    one expert's GEMMs by tokens, dequantization, and each layer's non-expert time (a simulator's cost model)."""
+    from duoserve.bench.profile import ProfileSettings, profile
+    from duoserve.bench.results import write_result
+
+    with user_errors():
+        check_output(out)
+        s = ProfileSettings(model=model, layers=layers, dtype=dtype, device=device,
+                            batch_sizes=batch_size or [1, 8], contexts=context or [128, 512],
+                            tokens=tokens or [1, 8, 64, 512])
+        with progress("profile", total=None) as update:
+            result = profile(s, say=lambda text: update(description=text))
+    write_result(out, result)
+    copies = table(f"{result['device']}: host-to-device copies", "MB", "pinned GB/s", "pageable GB/s")
+    for c in result["copy"]:
+        copies.add_row(num(c["bytes"] / 2**20, ".2f"), num(c["pinned_gbps"], ".1f"), num(c["pageable_gbps"], ".1f"))
+    console.print(copies)
+    compute = table("one expert's GEMMs", "tokens", "ms")
+    for e in result["expert_ms"]:
+        compute.add_row(str(e["tokens"]), num(e["ms"], ".3f"))
+    console.print(compute)
+    rest = table("per layer without its experts", "B", "context", "decode ms", "prefill ms")
+    for r in result["layer_ms"]:
+        rest.add_row(str(r["batch"]), str(r["context"]), num(r["decode_ms"], ".3f"), num(r["prefill_ms"], ".3f"))
+    console.print(rest)
+    console.print(f"copy queued in {result['copy_host_us']:.1f} us of host time; dequantizing one expert: "
+                  + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items()))
+    console.print(f"profile: {out}")
+
+
 def _print_bench(result: dict, rounds: bool) -> None:
     bw = result["bandwidth"]
     console.print(f"{result['device']}: copy bandwidth pinned {num(bw['pinned_gbps'], '.1f')} GB/s, "
