@@ -34,7 +34,7 @@ SHAPES=$(mktemp -d)
 for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 args=(--config-only --routing random --prompt-len 512 --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-2}"
       --baseline-new-tokens "$BASELINE_TOKENS" --policy duoserve --policy on-demand --policy per-module --policy accelerate-pinned
-      --policy lru --policy full-layer --policy all-resident)
+      --policy lru --policy full-layer --policy all-resident --policy all-resident-compiled)
 for b in $BATCHES; do args+=(--batch-size "$b"); done
 bench() { python3 -m duoserve.cli.run bench "$@"; }
 if [ -n "${B1_REPEATS:-}" ]; then
