@@ -94,6 +94,22 @@ def test_every_policy_generates_what_the_all_resident_model_does(embedded):
     assert torch.equal(_generate(model, tokenizer)[0], reference)
 
 
+def test_cpu_experts_compute_in_place_in_the_packed_store_and_refuse_quantized_experts(embedded):
+    model, tokenizer = embedded
+    policy = POLICIES["cpu-experts"]
+    stores = offload(model, policy, "cpu")
+    try:
+        with offload_plugin(model, stores, policy) as engine:
+            for view, store in zip(engine._host_views, stores):  # the weights it computes with are the store's rows
+                base, end = store.packed.data_ptr(), store.packed.data_ptr() + store.packed.nbytes
+                assert all(base <= w.data_ptr() < end for w in view._weights.values())
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+    with pytest.raises(ValueError, match="cpu-experts computes the experts on the host"):
+        offload(model, policy, "cpu", expert_dtype="int4")
+    assert find_moe_layers(model)[0].experts.gate_up_proj is not None  # refused before anything was taken off
+
+
 @pytest.mark.parametrize("name", ["accelerate", "accelerate-pinned"])
 def test_accelerate_policies_are_accelerates_own_offload_hooks(embedded, name, monkeypatch):
     """The accelerate policies run Accelerate's AlignDevicesHook on every experts module, which moves the module's

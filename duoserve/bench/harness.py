@@ -81,7 +81,7 @@ class BenchSettings:
 
     def dtypes_of(self, policy: Policy) -> list[str]:
         """The expert dtypes ``policy`` runs: every one asked for where it reads packed stores, else the model's."""
-        return self.expert_dtypes if policy.pinned and not policy.resident else ["model"]
+        return self.expert_dtypes if policy.pinned and not (policy.resident or policy.host_compute) else ["model"]
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -219,7 +219,7 @@ def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
     model = build_model(s, device)
     layers = find_moe_layers(model)
     pin = device.type == "cuda"
-    packed = {f for p in policies if p.pinned and not p.resident for f in s.dtypes_of(p)}
+    packed = {f for p in policies if p.pinned and not p.resident for f in s.dtypes_of(p)}  # cpu-experts: "model"
     readers = [p for p in policies if not p.pinned]
     if not packed and not readers:  # resident policies only: a store to put the experts back from
         packed = {"model"}

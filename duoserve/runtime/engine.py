@@ -22,8 +22,9 @@ runs, for the experts its router chose:
      prefill copies the cache's worth of layer l+1 ahead when a pass routes so many pairs that nearly
      every expert is needed (the prefill look-ahead).
 
-``cpu-experts`` skips 2-5: the hidden states go to the host, the routed experts run there on the CPU from
-the pageable stores (the same grouped kernels, every expert its own group), and the output comes back.
+``cpu-experts`` skips 2-5: the hidden states go to the host, the routed experts run there on the CPU, read
+in place from the packed stores (the same grouped kernels, every expert its own group), and the output comes
+back.
 """
 
 from __future__ import annotations
@@ -102,8 +103,12 @@ class OffloadEngine(ExpertsPlugin):
                                    graphs=not settings.eager and graphs_supported(stores[0].layout.dtype, self.device))
         self.grouped = GroupedFetch(self.cache, stores, self.streams, self.timers, self.compute, policy.overlap)
         self.prefetch = self._prefetch_plan(predictor) if predictor is not None else None
-        # cpu-experts: each layer's experts module seen with its host parameters as its experts
-        self._host_views = [SlotView(layer.experts, store.modules, self.E) for layer, store in
+        # cpu-experts: each layer's experts module seen with its host parameters as its experts, read in place from
+        # the packed store's rows (one expert's parameters are contiguous in its row; no second host copy)
+        if policy.host_compute and stores[0].dequantizes:
+            raise ValueError(f"policy {policy.name} computes on the host from the model's own dtype; its experts "
+                             "cannot be stored quantized")
+        self._host_views = [SlotView(layer.experts, store.layout.views(store.packed), self.E) for layer, store in
                             zip(self.layers, stores)] if policy.host_compute else None
 
     def _capacity(self) -> int:

@@ -38,6 +38,9 @@ def offload(model: nn.Module, policy: Policy, device: torch.device | str,
     device = torch.device(device)
     check_expert_dtype(expert_dtype)
     layers = find_moe_layers(model)
+    if policy.host_compute and expert_dtype != "model":
+        raise ValueError(f"policy {policy.name} computes the experts on the host in the model's dtype; "
+                         f"--expert-dtype {expert_dtype} needs a policy that copies them")
     if policy.pinned:
         def store(params: dict[str, torch.Tensor]) -> HostExperts:
             if expert_dtype != "model":

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 class Policy:
     name: str
     about: str
-    pinned: bool = True  # host experts packed in pinned memory (else pageable, one copy per parameter)
+    pinned: bool = True  # host experts packed, pinned with a GPU (else the model's own parameters, pageable)
     overlap: bool = True  # fetch on the copy stream, pipelined with compute (else on the compute stream, blocking)
     reuse: bool = True  # experts stay cached across layers and tokens (else each call fetches what it routes to)
     predict: bool = False  # decode: prefetch the predictor's experts for layer l+1 while layer l computes
@@ -40,9 +40,9 @@ POLICIES = {p.name: p for p in [
            overlap=False),
     Policy("full-layer", "prefetch all of layer l+1's experts while layer l computes (as MoESys)",
            prefetch_layer=True),
-    Policy("cpu-experts", "routed experts computed on the host CPU from pageable memory, attention, norms and "
-                          "routers on the GPU: only hidden states cross PCIe (as llama.cpp's --n-cpu-moe, "
-                          "KTransformers, Fiddler)", pinned=False, overlap=False, reuse=False, host_compute=True),
+    Policy("cpu-experts", "routed experts computed on the host CPU, in place in the packed host store; attention, "
+                          "norms and routers on the GPU: only hidden states cross PCIe (as llama.cpp's --n-cpu-moe, "
+                          "KTransformers, Fiddler)", overlap=False, reuse=False, host_compute=True),
     Policy("all-resident", "every expert on the device; no offload; transformers' eager decode", resident=True),
     Policy("all-resident-compiled", "every expert on the device, a static KV cache, and transformers' own "
                                     "torch.compile of the decode step (CUDA graphs on a GPU): the fastest "
