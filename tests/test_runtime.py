@@ -721,6 +721,29 @@ def test_bench_axes_grid_varies_one_shape_at_a_time_and_bounds_within_a_shape(tm
     assert bad.exit_code == 2 and "grid" in bad.output
 
 
+def test_bench_refuses_stores_that_do_not_fit_in_host_memory_before_making_any(tmp_path, arch_models, monkeypatch):
+    import types
+
+    import duoserve.bench.harness as harness
+
+    layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]
+    expert = sum(p[0].nbytes for p in expert_params(layer.experts).values())
+    experts = 2 * layer.experts.num_experts  # --layers 2
+    # the CPU stand-in's model holds its experts in host memory (freed as the stores are made): with half a copy
+    # free besides, one model-dtype copy and an fp8 one fit, a second bf16 (per-module) copy does not
+    free = types.SimpleNamespace(available=int(0.5 * expert * experts))
+    monkeypatch.setattr(harness.psutil, "virtual_memory", lambda: free)
+    made = []
+    monkeypatch.setattr(harness, "take_experts", lambda *a: made.append(1))
+    args = ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--layers", "2", "--routing", "random",
+            "--new-tokens", "3", "--prompt-len", "8", "--out", str(tmp_path / "b.json")]
+    result = runner.invoke(run_app, [*args, "--policy", "on-demand", "--policy", "per-module"])
+    assert result.exit_code == 2 and "(model, modules) need" in result.output and "separate benches" in result.output
+    assert not made and not (tmp_path / "b.json").exists()
+    result = runner.invoke(run_app, [*args, "--policy", "on-demand", "--expert-dtype", "fp8"])  # fp8 alone fits
+    assert "need" not in result.output and made
+
+
 def test_a_stopped_bench_keeps_the_runs_it_measured(tmp_path, arch_models, monkeypatch):
     import duoserve.bench.harness as harness
 

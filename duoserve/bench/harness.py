@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
+import psutil
 import torch
 
 import duoserve
@@ -32,8 +33,8 @@ from duoserve.runtime.generation import offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
-from duoserve.runtime.quant import EXPERT_DTYPES, check_expert_dtype, make_store
-from duoserve.runtime.store import HostExperts, drop_experts, put_experts, take_experts
+from duoserve.runtime.quant import EXPERT_DTYPES, QuantLayout, check_expert_dtype, make_store
+from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts, take_experts
 
 
 @dataclass
@@ -225,6 +226,9 @@ def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
         packed = {"model"}
     pin_modules = pin and bool(readers) and all(p.accelerate == "pinned" for p in readers)
     quantized = sorted(packed - {"model"})
+    repin = pin and not pin_modules and any(p.accelerate == "pinned" for p in readers)  # Accelerate pins its own
+    forms = [*quantized, *(["model"] if "model" in packed else []), *(["modules"] * (1 + repin) if readers else [])]
+    _check_host_memory(layers, forms, freed=next(model.parameters()).device.type == "cpu")
     if quantized:
         say(f"quantizing the experts to {', '.join(quantized)}")
 
@@ -245,6 +249,21 @@ def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
     gc.collect()
     gc.freeze()  # the model's many objects: out of the collector's way during timed runs
     return model, stores, bandwidth
+
+
+def _check_host_memory(layers: list, forms: list[str], freed: bool) -> None:
+    """Refuse, before any store is made, a bench whose host stores would not fit in the memory available now
+    (``freed``: the model's experts are in host memory already and leave it as the stores are made)."""
+    layout = ExpertLayout.of(expert_params(layers[0].experts))
+    per_expert = {f: QuantLayout.of(layout, f).nbytes if f in EXPERT_DTYPES and f != "model" else layout.nbytes
+                  for f in forms}
+    experts = sum(layer.experts.num_experts for layer in layers)
+    need = sum(per_expert[f] for f in forms) * experts
+    available = psutil.virtual_memory().available + (layout.nbytes * experts if freed else 0)
+    if need > available:
+        raise ValueError(f"the expert stores these policies read ({', '.join(forms)}) need {need / GB:.1f} GB of "
+                         f"host memory and {available / GB:.1f} GB is available: run the policies that read "
+                         f"different stores in separate benches, or store the experts quantized (--expert-dtype)")
 
 
 def _resident_form(stores: dict[str, list[HostExperts]]) -> str:
