@@ -308,6 +308,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
     # all-resident first: its experts go on and off the device before any offload run is timed
     order = sorted(policies, key=lambda p: (not p.resident, p.compiled))  # a compiled run never warms the rest
     warm = [order[0]] + [p for p in order if not p.resident][:1 if order[0].resident else 0]
+    warm = [p for p in warm if not p.compiled]  # its own run compiles and warms up first (run_policy)
     for batch, prompt_len in s.shapes():
         input_ids = torch.randint(vocab, (batch, prompt_len), generator=generator).to(device)
         # untimed: a process's first offload run, and the first run at a new shape (all-resident too), pay
