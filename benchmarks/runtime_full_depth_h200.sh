@@ -12,6 +12,9 @@
 #   PART=mixtral     Mixtral with experts stored fp8 (45 GB; bf16 and a second copy would not fit beside it):
 #                    duoserve (oracle:1), on-demand, lru and both all-resident references (put back dequantized),
 #                    B=1 and 8, prompt 512, a 2-expert cache as on-demand holds -> runtime_full_mixtral-8x7b_h200.json
+#   PART=qwen-fp8    Qwen with experts stored fp8 (29 GB): duoserve (oracle:1) and on-demand, B=1 and 8, prompt
+#                    512, beside the bf16 accelerate part: the precision in which the TTFT target can be tried
+#                    -> runtime_full_fp8_qwen3-30b-a3b_h200.json
 #   PART=cpu         Qwen's routed experts computed on the host CPU (cpu-experts, in place in the packed store)
 #                    beside duoserve and on-demand on that one copy, B=1 and 8, prompt 512 (llama.cpp's converter
 #                    cannot take Qwen's shape: this is its stand-in) -> runtime_full_cpu_qwen3-30b-a3b_h200.json
@@ -23,7 +26,7 @@ NEW_TOKENS=${NEW_TOKENS:-32}
 SHAPES=$(mktemp -d)
 for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 bench() { python3 -m duoserve.cli.run bench --config-only --routing random "$@"; }
-case "${PART:?set PART to qwen, accelerate, mixtral or cpu}" in
+case "${PART:?set PART to qwen, qwen-fp8, accelerate, mixtral or cpu}" in
 qwen)
     bench --model "$SHAPES/qwen3-30b-a3b" --grid axes --batch-size 1 --batch-size 8 --batch-size 4 --batch-size 16 \
         --prompt-len 512 --prompt-len 128 --prompt-len 2048 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 \
@@ -39,6 +42,10 @@ mixtral)
         --prompt-len 512 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve \
         --policy on-demand --policy lru --policy all-resident --policy all-resident-compiled \
         --out "$OUT/runtime_full_mixtral-8x7b_h200.json" ;;
+qwen-fp8)
+    bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype fp8 --batch-size 1 --batch-size 8 --prompt-len 512 \
+        --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve --policy on-demand \
+        --policy all-resident-compiled --out "$OUT/runtime_full_fp8_qwen3-30b-a3b_h200.json" ;;
 cpu)
     bench --model "$SHAPES/qwen3-30b-a3b" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens "$NEW_TOKENS" \
         --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve --policy on-demand --policy cpu-experts \
