@@ -69,8 +69,8 @@ def main() -> None:
                "greedy_token_agreement": (tokens == base_tokens).float().mean().item(),
                "engine_equals_dequantized": engine_equal}
         print(f"{fmt}: stored bytes {row['stored_bytes_ratio']:.3f}x, logits |diff| mean "
-              f"{row['logit_abs_diff_mean']:.4f} max {row['logit_abs_diff_max']:.3f} (logit std {row['logit_std']:.2f}), arg-max agreement "
-              f"{row['argmax_agreement']:.3f}, greedy tokens agreement {row['greedy_token_agreement']:.3f}, engine "
+              f"{row['logit_abs_diff_mean']:.4f} max {row['logit_abs_diff_max']:.3f} (logit std "
+              f"{row['logit_std']:.2f}), arg-max agreement {row['argmax_agreement']:.3f}, greedy tokens agreement {row['greedy_token_agreement']:.3f}, engine "
               f"tokens equal the dequantized model's: {engine_equal}")
         rows.append(row)
     write_result(args.out, {"benchmark": "quant_accuracy", "model": "embedded", "device": str(device),

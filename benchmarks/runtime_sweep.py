@@ -26,15 +26,19 @@ from duoserve.bench.targets import check_targets
 PEER_POLICIES = ("duoserve", "cpu-experts", "on-demand", "all-resident", "all-resident-compiled")
 
 
-def merge(files: list[Path]) -> list[dict]:
-    """Every run of ``files``, each tagged with the file it came from."""
-    runs = []
+def merge(files: list[Path]) -> tuple[list[dict], int]:
+    """Every run of ``files``, each tagged with the file it came from, and their model's MoE layers (refused if
+    the files are of different depths)."""
+    runs, depths = [], set()
     for path in files:
         data = json.loads(path.read_text())
         if not data.get("complete", True):
             print(f"note: {path.name} is partial (its bench was stopped); its runs so far are used")
         runs += [{**r, "source": path.name} for r in data["runs"]]
-    return runs
+        depths.add(data["geometry"]["moe_layers"])
+    if len(depths) != 1:
+        raise SystemExit(f"the files have different depths {sorted(depths)}: merge one model's files")
+    return runs, depths.pop()
 
 
 def plot(runs: list[dict], prefix: Path, title: str) -> list[Path]:
@@ -87,20 +91,17 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, help="llama_cpp_h200.sh's llama.cpp result")
     parser.add_argument("--llama-cpp-peer", type=Path, help="the bench result of the same shape")
     args = parser.parse_args()
-    runs = merge(args.files)
-    models = {json.loads(f.read_text())["geometry"]["moe_layers"] for f in args.files}
-    if len(models) != 1:
-        raise SystemExit(f"the files have different depths {sorted(models)}: merge one model's files")
+    runs, depth = merge(args.files)
     targets = [t for t in check_targets(runs) if t["round"] != "median"]
     report = {"files": [f.name for f in args.files], "runs": runs, "targets": targets}
     for t in targets:
-        print(f"B={t['batch_size']} S={t['prompt_len']} {t['target']}: {t['value']:.2f} {'met' if t['met'] else 'NOT met'}")
+        verdict = "met" if t["met"] else "NOT met"
+        print(f"B={t['batch_size']} S={t['prompt_len']} {t['target']}: {t['value']:.2f} {verdict}")
     if args.llama_cpp:
         report["llama_cpp"] = llama_table(args.llama_cpp, args.llama_cpp_peer)
         for r in report["llama_cpp"]:
             print(f"B={r['batch_size']} {r['who']:24s} TTFT {r['ttft_s']:.3f} s  TPOT {r['tpot_ms']:.2f} ms")
     if args.plots:
-        depth = models.pop()
         report["plots"] = [p.name for p in plot(runs, args.plots, f"{args.title} {depth} MoE layers, H200".strip())]
     write_result(args.out, report)
     print(f"wrote {args.out}")

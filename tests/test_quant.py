@@ -21,7 +21,7 @@ from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expe
 from duoserve.runtime.streams import Streams
 
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
-PACKED = [name for name, p in POLICIES.items() if p.pinned and not (p.resident or p.host_compute)]  # that copy them
+PACKED = [name for name, p in POLICIES.items() if p.quantizable]
 runner = CliRunner()
 
 

@@ -82,7 +82,7 @@ class BenchSettings:
 
     def dtypes_of(self, policy: Policy) -> list[str]:
         """The expert dtypes ``policy`` runs: every one asked for where it reads packed stores, else the model's."""
-        return self.expert_dtypes if policy.pinned and not (policy.resident or policy.host_compute) else ["model"]
+        return self.expert_dtypes if policy.quantizable else ["model"]
 
 
 def build_model(s: BenchSettings, device: torch.device):
@@ -107,11 +107,11 @@ def copy_bandwidth(device: torch.device, nbytes: int, trials: int = 3) -> dict[s
         dst.copy_(src)
         best = float("inf")
         for _ in range(trials):
-            _sync(device)
+            sync(device)
             start = time.perf_counter()
             for _ in range(repeats):
                 dst.copy_(src, non_blocking=kind == "pinned")
-            _sync(device)
+            sync(device)
             best = min(best, time.perf_counter() - start)
         result[f"{kind}_gbps"] = nbytes * repeats / best / GB
     return result
@@ -121,15 +121,16 @@ def host_op_us(device: torch.device, ops: int = 500) -> float:
     """Host microseconds per small tensor op (dispatch and launch) right now: the unit a host-bound decode step is
     made of. On shared machines it drifts between runs; each run records it next to its timings."""
     x = torch.zeros(1, device=device)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     for _ in range(ops):
         x.add_(1)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - start) / ops * 1e6
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (nothing to wait for on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -171,8 +172,10 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
     g = moe_geometry(model, layers)
     routing = _routing(s, g.num_layers, g.num_experts, g.top_k, device, in_graph=policy.compiled)
     mask = torch.ones_like(input_ids)
-    if policy.resident:
-        put_experts(layers, stores[_resident_form(stores)], device)
+    if policy.resident:  # the form put back: a quantized one computes its dequantized weights
+        form = _resident_form(stores)
+        expert_dtype = form if form in EXPERT_DTYPES else "model"
+        put_experts(layers, stores[form], device)
         plugin = ExpertsPlugin(model, routing)
     else:
         plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy,
@@ -200,11 +203,9 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         del plugin
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    if policy.resident:  # the form put back: a quantized one computes its dequantized weights
-        expert_dtype = _resident_form(stores) if _resident_form(stores) in EXPERT_DTYPES else "model"
     return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,
-            "dtype_fixed": not policy.pinned or policy.resident, "resident": policy.resident, "batch_size": len(input_ids),
-            "prompt_len": input_ids.shape[1], "host_op_us": op_us,
+            "dtype_fixed": not policy.quantizable, "resident": policy.resident,
+            "batch_size": len(input_ids), "prompt_len": input_ids.shape[1], "host_op_us": op_us,
             **timing, **counters}
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from duoserve.bench.harness import copy_bandwidth, device_name
+from duoserve.bench.harness import copy_bandwidth, device_name, sync
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
 from duoserve.runtime.generation import timed_generate
@@ -69,18 +69,13 @@ def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> fl
     """Median wall milliseconds of ``fn`` over ``repeats`` calls after one warm-up, the device synchronised."""
     times = []
     for i in range(repeats + 1):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         if i:
             times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def _copy_host_us(store: HostExperts, device: torch.device, copies: int = 32) -> float:

@@ -18,19 +18,22 @@ BOUND_LIMIT = 1.15  # the runtime's target: prefill and decode within this facto
 QUANT_TARGETS = {"fp8": (0.55, 0.65), "int4": (0.3, 0.45)}
 
 
+def _same_point(a: dict, b: dict) -> bool:
+    """Runs of the same batch size, prompt length and round."""
+    return a["batch_size"] == b["batch_size"] and a.get("prompt_len") == b.get("prompt_len") and a["round"] == b["round"]
+
+
 def _peers(a: dict, b: dict) -> bool:
-    """Runs that are compared: same batch size, prompt length and round, same expert dtype unless one has no choice
-    of it."""
+    """Runs that are compared: the same point, and the same expert dtype unless one has no choice of it."""
     dtypes = a.get("expert_dtype", "model") == b.get("expert_dtype", "model") or a.get("dtype_fixed", True) \
         or b.get("dtype_fixed", True)
-    return (a["batch_size"] == b["batch_size"] and a.get("prompt_len") == b.get("prompt_len")
-            and a["round"] == b["round"] and dtypes)
+    return _same_point(a, b) and dtypes
 
 
 def add_bounds(runs: list[dict], pinned_gbps: float | None, pageable_gbps: float | None) -> None:
     """Add each run's prefill and decode bounds (see the module docstring) and its ratio to them."""
     for run in runs:
-        resident = [r for r in runs if r.get("resident", r["policy"] == "all-resident") and _peers(r, run)]
+        resident = [r for r in runs if r["resident"] and _peers(r, run)]
         first = min(resident, key=lambda r: r["ttft_s"], default=None)
         step = min((r for r in resident if r["tpot_ms"]), key=lambda r: r["tpot_ms"], default=None)
         bandwidth = (pinned_gbps or pageable_gbps) * GB
@@ -64,8 +67,7 @@ def check_targets(runs: list[dict]) -> list[dict]:
             checks.append(_check(tag, f"{phase} within {BOUND_LIMIT}x of its bound", run[key], at_most=BOUND_LIMIT))
         fmt = run.get("expert_dtype", "model")
         base = next((r for r in runs if r["policy"] == "duoserve" and r.get("expert_dtype", "model") == "model"
-                     and r["predictor"] == run["predictor"] and r["batch_size"] == run["batch_size"]
-                     and r.get("prompt_len") == run.get("prompt_len") and r["round"] == run["round"]), None)
+                     and r["predictor"] == run["predictor"] and _same_point(r, run)), None)
         if fmt in QUANT_TARGETS and base is not None and run["batch_size"] == 1 and base["bytes_h2d"]["decode"]:
             bytes_limit, tpot_limit = QUANT_TARGETS[fmt]
             checks.append(_check(tag, f"{fmt} decode bytes per token <= {bytes_limit}x of the model dtype's",

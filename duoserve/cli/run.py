@@ -143,7 +143,8 @@ def bench_cmd(
         check_output(out)
         s = BenchSettings(model=model, config_only=config_only, layers=layers, dtype=dtype, device=device,
                           policies=policy or list(DEFAULT_POLICIES), batch_sizes=batch_size or [1],
-                          prompt_lens=prompt_len or [512], grid=grid, new_tokens=new_tokens, baseline_new_tokens=baseline_new_tokens,
+                          prompt_lens=prompt_len or [512], grid=grid, new_tokens=new_tokens,
+                          baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
                           engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin),
                           expert_dtypes=expert_dtype or ["model"])

@@ -38,18 +38,17 @@ def offload(model: nn.Module, policy: Policy, device: torch.device | str,
     device = torch.device(device)
     check_expert_dtype(expert_dtype)
     layers = find_moe_layers(model)
-    if policy.host_compute and expert_dtype != "model":
-        raise ValueError(f"policy {policy.name} computes the experts on the host in the model's dtype; "
-                         f"--expert-dtype {expert_dtype} needs a policy that copies them")
+    if expert_dtype != "model" and not policy.quantizable:
+        why = ("computes the experts on the host in the model's dtype" if policy.host_compute
+               else "copies the model's own parameters")
+        raise ValueError(f"policy {policy.name} {why}; quantized experts ({expert_dtype}) need a policy with packed "
+                         "stores that copies them to the device")
     if policy.pinned:
         def store(params: dict[str, torch.Tensor]) -> HostExperts:
             if expert_dtype != "model":
                 params = {n: p.to(device) for n, p in params.items()}
             return make_store(params, expert_dtype, pin=device.type == "cuda")
         stores = take_experts(layers, store)
-    elif expert_dtype != "model":
-        raise ValueError(f"policy {policy.name} copies the model's own parameters; quantized experts "
-                         f"({expert_dtype}) need a policy with packed stores")
     else:
         pin = policy.accelerate == "pinned" and device.type == "cuda"  # Accelerate's state dict, one copy
         stores = take_experts(layers, lambda params: HostExperts.as_modules(params, pin))

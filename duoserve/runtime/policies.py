@@ -20,6 +20,12 @@ class Policy:
     host_compute: bool = False  # routed experts computed on the host CPU; only hidden states cross to it and back
     accelerate: str = ""  # run by Accelerate's own offload hooks (``peers.py``) from "pageable" or "pinned" memory
 
+    @property
+    def quantizable(self) -> bool:
+        """Whether its experts may be stored quantized: it copies them from packed stores to the device (so not the
+        per-module, resident or host-computing policies)."""
+        return self.pinned and not (self.resident or self.host_compute)
+
 
 POLICIES = {p.name: p for p in [
     Policy("duoserve", "prefill: each routed expert fetched once, pipelined on two streams, cached ones first, "

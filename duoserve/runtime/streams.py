@@ -2,8 +2,8 @@
 
 On CUDA the runtime uses four streams: compute (the caller's current stream), copy (host-to-device
 expert fetches), predict (the predictor) and dequant (quantized experts turned into cache rows as they
-land, so the next expert's copy overlaps that work: ``quant.py``). Work is ordered across them with events only, so the
-CPU never waits except where it must read a result (the routing, the predictor's choice). On the
+land, so the next expert's copy overlaps that work: ``quant.py``). Work is ordered across them with
+events only, so the CPU never waits except where it must read a result (the routing, the predictor's choice). On the
 CPU every operation runs in program order, so events are ``None`` and waits do nothing.
 
 Expert copies go straight to ``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded: at batch 1 a
@@ -22,7 +22,7 @@ import torch
 
 
 class Streams:
-    """The runtime's three streams on ``device`` (all the same, and synchronous, on the CPU)."""
+    """The runtime's four streams on ``device`` (all the same, and synchronous, on the CPU)."""
 
     def __init__(self, device: torch.device):
         self.device = device
