@@ -925,10 +925,17 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert g["expert_bytes"] == sum(p[0].nbytes for p in expert_params(layer.experts).values())
     assert g["expert_bytes"] in [c["bytes"] for c in profile["copy"]]  # one expert's own copy size is measured
     assert all(c["pageable_gbps"] > 0 for c in profile["copy"])
-    assert [e["tokens"] for e in profile["expert_ms"]] == [1, 16] and all(e["ms"] > 0 for e in profile["expert_ms"])
+    k = g["top_k"]
+    assert [(e["experts"], e["tokens"]) for e in profile["expert_ms"]] == [(1, 1), (1, 16), (k, 1), (k, 16)]
+    assert all(e["ms"] > 0 for e in profile["expert_ms"])
+    assert [(c["phase"], c["tokens"]) for c in profile["call_host_us"]] == [("decode", 1), ("decode", 2),
+                                                                           ("prefill", 1), ("prefill", 16)]
+    assert all(c["us"] > 0 for c in profile["call_host_us"])
     assert set(profile["dequant_ms"]) == {"fp8", "int4"}
-    assert [(r["batch"], r["context"]) for r in profile["layer_ms"]] == [(1, 8), (2, 8)]
-    assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in profile["layer_ms"])
+    for name in ("layer_ms", "step_ms"):
+        assert [(r["batch"], r["context"]) for r in profile[name]] == [(1, 8), (2, 8)]
+        assert all(r["decode_ms"] >= 0 and r["prefill_ms"] >= 0 for r in profile[name])
+    assert sum(r["prefill_ms"] for r in profile["layer_ms"] + profile["step_ms"]) > 0
     assert "per layer without its experts" in result.output
     for name in PROFILE_FIELDS:
         broken = dict(profile)
@@ -938,5 +945,5 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
         with pytest.raises(ValueError, match=f"lacks {name}"):
             load_profile(path)
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a version-1 device profile"):
+    with pytest.raises(ValueError, match="not a version-2 device profile"):
         load_profile(tmp_path / "old.json")

@@ -1,6 +1,7 @@
-"""A device profile (``duoserve-run profile``): the costs a trace-driven offload simulator needs, measured here.
+"""A device profile (``duoserve-run profile``): the costs the offload simulator needs, measured here.
 
-Shape legend: T tokens, B sequences, C context (prompt) length, H hidden size, E experts, P one packed expert.
+Shape legend: T tokens, B sequences, C context (prompt) length, H hidden size, E experts, k top-k, P one packed
+expert.
 
 The model is built from its config with random weights and a few decoder layers (timings do not depend on the
 weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile`` refuses a file without one):
@@ -8,10 +9,16 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   copy          host-to-device GB/s by copy size, pinned and pageable
   copy_host_us  host microseconds to queue one expert copy on the engine's copy path, not waiting for it
                 (on the CPU the copy is synchronous, so this is the copy itself)
-  expert_ms     one expert's GEMMs (the model's own experts kernel) by the tokens routed to it
+  expert_ms     device time of the engine's grouped expert compute (``experts.slot_experts``) of 1 and of k
+                experts with T tokens each, replayed from a CUDA graph where one can be captured (so no host time
+                is in it); on the CPU, its wall time
+  call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
+                grouped, the cache looked up, the compute queued), by phase and tokens
   dequant_ms    dequantizing one expert on the device, by stored expert dtype
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
-                size and context length (the experts replaced by zeros through the experts interface)
+                size and context length (the experts answering zeros through the experts interface)
+  step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
+                keys: the fit of two depths, 1 and ``layers`` decoder layers
 """
 
 from __future__ import annotations
@@ -23,26 +30,33 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
+from duoserve.bench.drivers import random_ids
 from duoserve.bench.harness import copy_bandwidth, device_name, sync
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
+from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.experts import SlotView, slot_experts
 from duoserve.runtime.generation import timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
+from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import dequantize, make_store
-from duoserve.runtime.store import HostExperts, expert_params
+from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-PROFILE_VERSION = 1
-PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "expert_ms", "dequant_ms", "layer_ms")
+PROFILE_VERSION = 2
+PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "expert_ms", "call_host_us", "dequant_ms",
+                  "layer_ms", "step_ms")
 MB = 1 << 20
 
 
 @dataclass
 class ProfileSettings:
     model: str  # a config (hub id, local path, checkpoint folder): only its shape is used
-    layers: int = 2  # decoder layers built: layer costs are per layer
+    layers: int = 2  # decoder layers built (at least 2: costs per layer and per pass are told apart)
     dtype: str = "auto"
     device: str = "auto"
     batch_sizes: list[int] = field(default_factory=lambda: [1, 8])
@@ -52,8 +66,9 @@ class ProfileSettings:
     repeats: int = 5
 
     def __post_init__(self):
-        if self.layers < 1 or self.repeats < 1:
-            raise ValueError("layers and repeats must be at least 1")
+        if self.layers < 2 or self.repeats < 1:
+            raise ValueError("a profile builds at least 2 decoder layers (per-layer costs are fitted from two "
+                             "depths) and repeats at least once")
         if min(self.batch_sizes + self.contexts + self.tokens) < 1 or min(self.copy_mb) <= 0:
             raise ValueError("batch sizes, contexts, token counts and copy sizes must be positive")
 
@@ -94,6 +109,86 @@ def _copy_host_us(store: HostExperts, device: torch.device, copies: int = 32) ->
     return elapsed / copies * 1e6
 
 
+def _device_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+    """Device milliseconds of ``fn``: replayed from a CUDA graph and timed by events where it can be captured (no
+    host time in it), else its median wall time, synchronised (the CPU; kernels that read the host)."""
+    if device.type == "cuda":
+        try:
+            warm = torch.cuda.Stream(device)
+            warm.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(warm):
+                fn()
+            torch.cuda.current_stream(device).wait_stream(warm)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                fn()
+        except RuntimeError:
+            torch.cuda.synchronize(device)
+        else:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            graph.replay()
+            begin.record()
+            for _ in range(repeats):
+                graph.replay()
+            end.record()
+            end.synchronize()
+            return begin.elapsed_time(end) / repeats
+    return _median_ms(fn, device, repeats)
+
+
+def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: torch.device, H: int) -> list[dict]:
+    """Device time of the engine's grouped compute of 1 and of k resident experts with T tokens each."""
+    E, dtype = len(store.packed), store.layout.dtype
+    view = SlotView(layer.experts, store.layout.views(store.packed.to(device)), E)
+    rows = []
+    for g in sorted({1, k}):
+        for T in s.tokens:
+            n = g * T  # pairs: expert j takes tokens j*T .. (j+1)*T - 1
+            hidden = torch.randn(n, H, dtype=dtype, device=device)  # n x H
+            weights = torch.ones(n, 1, dtype=dtype, device=device)  # n x 1
+            slots = np.repeat(np.arange(g), T)  # n
+            offsets = np.searchsorted(slots, np.arange(E), side="right")  # E
+            pairs = np.concatenate([np.arange(n), np.arange(n), slots, offsets]).astype(np.int32)
+            pairs = torch.from_numpy(pairs).to(device)
+            ms = _device_ms(lambda: slot_experts(view, hidden, weights, pairs, E), device, s.repeats)
+            rows.append({"experts": g, "tokens": T, "ms": ms})
+    return rows
+
+
+def _call_host_us(model, s: ProfileSettings, device: torch.device, calls: int = 20) -> list[dict]:
+    """Host microseconds of one engine layer call with every expert cached, by phase and tokens: the device is
+    idle when it starts (its routing read waits for nothing) and is not waited for at its end."""
+    layers = find_moe_layers(model)
+    stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
+    model.to(device)
+    g = moe_geometry(model, layers)
+    L, E, k = len(layers), g.num_experts, g.top_k
+    H, dtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
+    budget = EngineSettings(gpu_expert_budget=L * E * stores[0].layout.nbytes)
+    rng = np.random.default_rng(0)
+
+    def call(l: int, phase: str, ids: np.ndarray) -> float:
+        T = len(ids)
+        hidden = torch.randn(T, H, dtype=dtype, device=device)  # T x H
+        weights = torch.full((T, k), 1.0 / k, dtype=dtype, device=device)  # T x k
+        idx = torch.as_tensor(ids, device=device)  # T x k
+        engine.phase = phase
+        sync(device)
+        start = time.perf_counter()
+        engine.run_layer(l, hidden, idx, weights)
+        return (time.perf_counter() - start) * 1e6
+
+    rows = []
+    with torch.no_grad(), OffloadEngine(model, stores, POLICIES["lru"], settings=budget) as engine:
+        every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
+        for l in range(L):
+            call(l, "prefill", every)  # every expert of every layer cached from here on
+        for phase, tokens in [("decode", B) for B in s.batch_sizes] + [("prefill", T) for T in s.tokens]:
+            times = [call(0, phase, random_ids(rng, tokens, 1, E, k)[:, 0]) for _ in range(calls + 2)]
+            rows.append({"phase": phase, "tokens": tokens, "us": statistics.median(times[2:])})
+    return rows
+
+
 def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) -> dict:
     """Measure every field of the profile (module docstring) for ``s``'s model shape on its device."""
     device = resolve_device(s.device)
@@ -112,15 +207,9 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     say("host cost of queueing a copy")
     host_us = _copy_host_us(store, device)
 
-    say("one expert's GEMMs by tokens")
-    expert_ms = []
-    with torch.no_grad(), ExpertsPlugin(model) as plugin:
-        for T in s.tokens:
-            hidden = torch.randn(T, H, dtype=store.layout.dtype, device=device)  # T x H
-            idx = torch.zeros(T, 1, dtype=torch.long, device=device)  # T x 1: every token to expert 0
-            w = torch.ones(T, 1, dtype=store.layout.dtype, device=device)
-            ms = _median_ms(lambda: plugin.run_layer(0, hidden, idx, w), device, s.repeats)
-            expert_ms.append({"tokens": T, "ms": ms})
+    say("the engine's expert compute by tokens")
+    with torch.no_grad():
+        expert_ms = _expert_ms(layers[0], store, s, full.top_k, device, H)
 
     say("dequantizing one expert")
     dequant_ms = {}
@@ -131,25 +220,45 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
         dequant_ms[fmt] = _median_ms(lambda: dequantize(stored, quantized.qlayout, store.layout, slot), device,
                                      s.repeats)
 
-    layer_ms = []
-    vocab = model.get_input_embeddings().num_embeddings
-    decoder_layers = model.config.get_text_config().num_hidden_layers
-    with _NoExperts(model):
-        for B in s.batch_sizes:
-            for C in s.contexts:
-                say(f"layers without experts, B={B} C={C}")
-                ids = torch.randint(vocab, (B, C), device=device)
-                mask = torch.ones_like(ids)
-                timed_generate(model, ids, mask, 2, fixed_length=True)  # warm-up
-                _, timing = timed_generate(model, ids, mask, 8, fixed_length=True)
-                layer_ms.append({"batch": B, "context": C, "decode_ms": timing["tpot_ms"] / decoder_layers,
-                                 "prefill_ms": timing["ttft_s"] * 1e3 / decoder_layers})
+    shallow = model_from_config(s.model, device, s.dtype, 1)
+    passes = {depth: _pass_ms(net, s, say) for depth, net in ((1, shallow), (s.layers, model))}
+    del shallow
+    layer_ms, step_ms = [], []
+    for one, deep in zip(passes[1], passes[s.layers]):
+        per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0) for key in ("decode_ms", "prefill_ms")}
+        layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
+        step_ms.append({"batch": one["batch"], "context": one["context"],
+                        **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
+
+    say("host cost of an engine call")
+    call_host_us = _call_host_us(model, s, device)
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
                          "hidden_size": H, "expert_bytes": nbytes},
-            "copy": copy, "copy_host_us": host_us, "expert_ms": expert_ms, "dequant_ms": dequant_ms,
-            "layer_ms": layer_ms}
+            "copy": copy, "copy_host_us": host_us, "expert_ms": expert_ms, "call_host_us": call_host_us,
+            "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms}
+
+
+def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
+    """Wall milliseconds of a whole decode step and a whole prefill of ``model``, its routed experts answering
+    zeros, by batch size and context length."""
+    depth = model.config.get_text_config().num_hidden_layers
+    vocab = model.get_input_embeddings().num_embeddings
+    device = next(model.parameters()).device
+    rows = []
+    with _NoExperts(model):
+        for B in s.batch_sizes:
+            for C in s.contexts:
+                say(f"{depth} layers without experts, B={B} C={C}")
+                ids = torch.randint(vocab, (B, C), device=device)
+                mask = torch.ones_like(ids)
+                timed_generate(model, ids, mask, 2, fixed_length=True)  # warm-up
+                timings = [timed_generate(model, ids, mask, 8, fixed_length=True)[1] for _ in range(s.repeats)]
+                rows.append({"batch": B, "context": C,
+                             "decode_ms": statistics.median(t["tpot_ms"] for t in timings),
+                             "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings)})
+    return rows
 
 
 def load_profile(path: str | Path) -> dict:

@@ -163,20 +163,23 @@ def bench_cmd(
 def profile_cmd(
     model: Annotated[str, typer.Option(
         help="A model config (hub id, local path or checkpoint folder): its shape is built with random weights.")],
-    layers: Annotated[int, typer.Option(min=1, help="Decoder layers built (costs are per layer).")] = 2,
+    layers: Annotated[int, typer.Option(
+        min=2, help="Decoder layers built; per-layer and per-pass costs are fitted from 1 and this many.")] = 2,
     batch_size: Annotated[Optional[list[int]], typer.Option(
         min=1, help="Repeatable: batch sizes of the per-layer costs. [default: 1, 8]")] = None,
     context: Annotated[Optional[list[int]], typer.Option(
         min=1, help="Repeatable: context (prompt) lengths of the per-layer costs. [default: 128, 512]")] = None,
     tokens: Annotated[Optional[list[int]], typer.Option(
-        min=1, help="Repeatable: tokens routed to one expert for its GEMM time. [default: 1, 8, 64, 512]")] = None,
+        min=1, help="Repeatable: tokens per expert of the expert-compute groups, and of the prefill calls whose "
+                    "host time is measured. [default: 1, 8, 64, 512]")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: DtypeOption = "auto",
     out: Annotated[Path, typer.Option(help="The profile (JSON, with the commit, machine and command).")]
     = Path("gpu.json"),
 ) -> None:
-    """Measure this machine's offload costs for a model shape: copy bandwidth by size, the host cost of a copy,
-    one expert's GEMMs by tokens, dequantization, and each layer's non-expert time (a simulator's cost model)."""
+    """Measure this machine's offload costs for a model shape: copy bandwidth by size, the host cost of a copy, the
+    engine's expert compute by tokens, the host time of an engine call, dequantization, and each layer's and each
+    pass's non-expert time: the cost model of duoserve-eval simulate."""
     from duoserve.bench.profile import ProfileSettings, profile
     from duoserve.bench.results import write_result
 
@@ -192,13 +195,19 @@ def profile_cmd(
     for c in result["copy"]:
         copies.add_row(num(c["bytes"] / 2**20, ".2f"), num(c["pinned_gbps"], ".1f"), num(c["pageable_gbps"], ".1f"))
     console.print(copies)
-    compute = table("one expert's GEMMs", "tokens", "ms")
+    compute = table("the engine's expert compute (device time)", "experts", "tokens each", "ms")
     for e in result["expert_ms"]:
-        compute.add_row(str(e["tokens"]), num(e["ms"], ".3f"))
+        compute.add_row(str(e["experts"]), str(e["tokens"]), num(e["ms"], ".3f"))
     console.print(compute)
-    rest = table("per layer without its experts", "B", "context", "decode ms", "prefill ms")
-    for r in result["layer_ms"]:
-        rest.add_row(str(r["batch"]), str(r["context"]), num(r["decode_ms"], ".3f"), num(r["prefill_ms"], ".3f"))
+    calls = table("host time of an engine layer call, every expert cached", "phase", "tokens", "us")
+    for c in result["call_host_us"]:
+        calls.add_row(c["phase"], str(c["tokens"]), num(c["us"], ".1f"))
+    console.print(calls)
+    rest = table("per layer without its experts, and per pass", "B", "context", "decode ms", "prefill ms",
+                 "pass decode ms", "pass prefill ms")
+    for r, step in zip(result["layer_ms"], result["step_ms"]):
+        rest.add_row(str(r["batch"]), str(r["context"]), num(r["decode_ms"], ".3f"), num(r["prefill_ms"], ".3f"),
+                     num(step["decode_ms"], ".3f"), num(step["prefill_ms"], ".3f"))
     console.print(rest)
     console.print(f"copy queued in {result['copy_host_us']:.1f} us of host time; dequantizing one expert: "
                   + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items()))

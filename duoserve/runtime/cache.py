@@ -55,7 +55,7 @@ class ExpertCache:
         if slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {slots}")
         self.layout, self.streams = layout, streams
-        self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.device)  # S x P
+        self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.cache_device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
         self._rows = list(self.buffer.unbind(0))  # S views of P, made once: a fetch is on the decode step's path
         self.key: list[Key | None] = [None] * slots

@@ -243,10 +243,15 @@ class SlotCompute:
         graphs = graphs and cache.slots <= MAX_GROUPS
         self.graphs = GraphedSlotExperts(cache.slots, streams.device) if graphs else None
 
-    def upload(self, rows: np.ndarray) -> PairRows:
-        """A group's pair rows on the device, queued on the current stream without blocking the host."""
+    def upload(self, rows: np.ndarray, stream=None) -> PairRows:
+        """A group's pair rows on the device, queued on ``stream`` (default: the current one) without blocking the
+        host, for the compute stream to read."""
         t = torch.from_numpy(rows)
-        t = t.pin_memory().to(self.streams.device, non_blocking=True) if self.streams.cuda else t
+        if self.streams.cuda:
+            with self.streams.on(stream or torch.cuda.current_stream(self.streams.device)):
+                t = t.pin_memory().to(self.streams.device, non_blocking=True)
+            if stream is not None and stream is not self.streams.compute:  # allocated there, read on compute
+                t.record_stream(self.streams.compute)
         return PairRows(t, slot_windows(rows, self.cache.slots))
 
     def load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,

@@ -61,11 +61,8 @@ class GroupedFetch:
                     with timers.cpu("queue fetches"):
                         slots = cache.fetch(l, experts, self.stores[l], phase, keep, stream, seal=False)
                         fetched = dict(zip(experts, slots))
-                        with self.streams.on(stream):
-                            rows = self.compute.upload(routing.rows(fetched, cache.slots))
+                        rows = self.compute.upload(routing.rows(fetched, cache.slots), stream)
                         cache.seal(slots, stream)
-                        if stream is not self.streams.compute:  # allocated on the copy stream, read on compute
-                            rows.rows.record_stream(self.streams.compute)
                     queued.append((fetched, rows))
                 group, rows = queued.pop(0)
                 cache.wait_ready(group.values())

@@ -38,6 +38,11 @@ class Streams:
         self._memcpy = runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
             else None
 
+    @property
+    def cache_device(self) -> torch.device:
+        """Where the expert cache's slots live: the device (a simulator's streams put them nowhere: meta)."""
+        return self.device
+
     def on(self, stream):
         """Context that makes ``stream`` current (nothing on the CPU)."""
         return torch.cuda.stream(stream) if self.cuda else nullcontext()

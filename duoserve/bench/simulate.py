@@ -1,0 +1,452 @@
+"""The offload simulator (``duoserve-eval simulate``): routing, a predictor and a policy, timed on a device profile.
+
+Shape legend: T tokens in a forward pass, B sequences, C context length, L MoE layers, E experts, k top-k,
+m next-gate width, S cache slots.
+
+It runs the runtime's own schedule (``duoserve.runtime.scheduler.ExpertScheduler``: the cache, its eviction and
+pins, prefill grouping, decode prefetch with the predictor's real predictions, re-fetch on a miss, look-ahead)
+over stand-ins that do no work but advance clocks by a device profile's costs (``profile.py``):
+
+  streams   one clock per stream and one for the host; an event is the time its stream's work so far ends, a wait
+            moves a stream's clock to it (the compute stream's waits for copies are its stalls), work queued at
+            host time h on a stream starts no earlier than h
+  stores    an expert copy costs the host ``copy_host_us`` and its stream bytes / bandwidth at that copy's size
+            (pinned; per-module stores: a blocking pageable copy per parameter); a quantized one is then
+            dequantized on the dequant stream
+  compute   a group of experts with c_i tokens each costs the compute stream base + sum_i per_expert(c_i),
+            both fitted from the profile's groups of 1 and k experts
+
+and, per forward pass: each decoder layer's non-expert work (``layer_ms``) on the compute stream, the host
+waiting for its router (the engine reads every layer's routing), the engine's host time per layer call
+(``call_host_us``), and the pass's own cost (``step_ms``: embedding, head, sampling), the host waiting for
+its token. So the simulator's hits, copies and bytes are the engine's on the same routing and predictor
+(tested exactly against the engine on the CPU); its times are the profile's model of them (validated against
+the engine on the H200: ``benchmarks/simulate_validation.py``).
+
+Not modelled: a trained predictor's own device time (it runs on its own stream; ``predictor_latency`` measures
+it), and padding: a batch's prompts are one pass of all their tokens, at the longest prompt's context.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from duoserve.bench.drivers import OraclePredictor, RandomRouting, oracle_recall
+from duoserve.bench.shapes import SHAPES, save_shape
+from duoserve.discovery import find_moe_layers, moe_geometry
+from duoserve.loading import model_from_config
+from duoserve.predictor.artifact import load_predictor
+from duoserve.predictor.fast import TrainedPredictor
+from duoserve.runtime.policies import Policy
+from duoserve.runtime.quant import QuantLayout, check_expert_dtype
+from duoserve.runtime.scheduler import ExpertScheduler
+from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.store import ExpertLayout, expert_params
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (x, y), extended linearly past either end, never below 0."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if x <= xs[0]:
+        (x0, y0), (x1, y1) = points[0], points[1]
+    elif x >= xs[-1]:
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+    else:
+        return float(np.interp(x, xs, ys))
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1, 0.0)
+
+
+class Costs:
+    """A device profile's costs in milliseconds, interpolated between what it measured."""
+
+    def __init__(self, profile: dict):
+        self.profile = profile
+        self.expert_bytes = profile["geometry"]["expert_bytes"]
+        self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
+                      for kind in ("pinned", "pageable")}
+        self.copy_host_ms = profile["copy_host_us"] / 1e3
+        self.dequant_ms = profile["dequant_ms"]
+        groups = {}
+        for row in profile["expert_ms"]:
+            groups.setdefault(row["experts"], []).append((row["tokens"], row["ms"]))
+        if len(groups) < 2:
+            raise ValueError("the profile's expert_ms needs groups of two sizes (1 and k experts)")
+        (g1, one), (gk, many) = sorted(groups.items())[:2]
+        tokens = sorted({t for t, _ in one} & {t for t, _ in many})
+        # a group of g experts with T tokens each: base + g * per_expert(T)
+        self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
+        self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
+        self._call_host = {phase: [(r["tokens"], r["us"] / 1e3) for r in profile["call_host_us"] if r["phase"] == phase]
+                           for phase in ("prefill", "decode")}
+        self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
+
+    def copy_ms(self, nbytes: int, pinned: bool = True) -> float:
+        """One host-to-device copy of ``nbytes``: at the bandwidth measured for that size (clamped to the sizes
+        measured)."""
+        points = self._copy["pinned" if pinned else "pageable"]
+        size = min(max(math.log2(max(nbytes, 1)), points[0][0]), points[-1][0])
+        return nbytes / (_interp(points, size) * 1e9) * 1e3
+
+    def group_ms(self, counts: Iterable[int]) -> float:
+        """Compute-stream time of one group of experts with ``counts`` tokens each."""
+        return self._base + sum(_interp(self._per_expert, c) for c in counts)
+
+    def call_host_ms(self, phase: str, tokens: int) -> float:
+        points = self._call_host[phase] or self._call_host["prefill"]
+        return _interp(points, tokens)
+
+    def pass_ms(self, name: str, phase: str, batch: int, context: int) -> float:
+        """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C): linear in C within each
+        measured B, then linear in B."""
+        key = f"{phase}_ms"
+        by_batch: dict[int, list[tuple[int, float]]] = {}
+        for row in self._pass[name]:
+            by_batch.setdefault(row["batch"], []).append((row["context"], row[key]))
+        return _interp([(B, _interp(points, context)) for B, points in by_batch.items()], batch)
+
+
+class _Event(NamedTuple):
+    t: float  # ms: when the work queued before it ends
+
+
+class _Clock:
+    """A simulated stream: the time its queued work ends."""
+
+    __slots__ = ("owner", "t")
+
+    def __init__(self, owner: SimStreams):
+        self.owner, self.t = owner, 0.0
+
+    def wait_event(self, event: _Event) -> None:
+        self.owner.wait(self, event)
+
+
+class SimStreams:
+    """The ``Streams`` interface over clocks (module docstring); ``host`` is the host's clock, in ms."""
+
+    cuda = False
+    copy_path = "simulated"
+
+    def __init__(self):
+        self.device = torch.device("cpu")  # where a trained predictor runs
+        self.cache_device = torch.device("meta")  # the cache's slots take no memory
+        self.host, self.stall_ms = 0.0, 0.0
+        self.compute, self.copy, self.predict, self.dequant = (_Clock(self) for _ in range(4))
+
+    def on(self, stream):
+        return nullcontext()
+
+    def record(self, stream=None) -> _Event:
+        return _Event(max((stream or self.compute).t, self.host))
+
+    def wait(self, stream: _Clock, event: _Event | None) -> None:
+        if event is None:
+            return
+        start = max(stream.t, self.host)
+        if event.t > start and stream is self.compute:
+            self.stall_ms += event.t - start
+        stream.t = max(start, event.t)
+
+    def run(self, stream: _Clock, ms: float, copy: bool = False) -> None:
+        """``ms`` of work queued now on ``stream``; a ``copy`` on the compute stream stalls its compute."""
+        stream.t = max(stream.t, self.host) + ms
+        if copy and stream is self.compute:
+            self.stall_ms += ms
+
+    def block(self, stream: _Clock) -> None:
+        """The host waits for ``stream``'s work so far."""
+        self.host = max(self.host, stream.t)
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.compute.t, self.copy.t, self.predict.t, self.dequant.t)
+
+
+class SimStore:
+    """One MoE layer's experts as the simulator sees them: what a copy moves and costs (no data)."""
+
+    def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
+        self.layout, self.costs, self.fmt = layout, costs, check_expert_dtype(fmt)
+        self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
+        self.modules = None if packed else {}
+        self.dequantizes = fmt != "model"
+        if self.dequantizes and not packed:
+            raise ValueError("quantized experts are stored packed")
+        self.row_bytes = QuantLayout.of(layout, fmt).nbytes if self.dequantizes else layout.nbytes
+        self._param_bytes = [math.prod(shape) * layout.dtype.itemsize for shape in layout.shapes]
+
+    def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
+        costs = self.costs
+        for _ in experts:
+            if self.packed is None:  # a blocking copy from pageable memory per parameter
+                for nbytes in self._param_bytes:
+                    streams.run(stream, costs.copy_ms(nbytes, pinned=False), copy=True)
+                    streams.block(stream)
+                continue
+            streams.host += costs.copy_host_ms
+            streams.run(stream, costs.copy_ms(self.row_bytes), copy=True)
+            if self.dequantizes:
+                streams.wait(streams.dequant, streams.record(stream))
+                streams.run(streams.dequant, costs.dequant_ms[self.fmt])
+
+
+class SimCompute:
+    """The engine's expert compute (``experts.SlotCompute``) as compute-stream time."""
+
+    graphs = None
+
+    def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
+        self.cache, self.streams, self.costs = cache, streams, costs
+
+    def _counts(self, rows: np.ndarray) -> list[int]:
+        n = (len(rows) - self.cache.slots) // 3
+        return [c for c in np.bincount(rows[2 * n:3 * n]).tolist() if c]  # tokens of each slot with pairs
+
+    def upload(self, rows: np.ndarray, stream=None) -> list[int]:
+        return self._counts(rows)
+
+    def load_all(self, hidden, weights, routing, slots: dict[int, int]) -> list[int]:
+        return self._counts(routing.rows(slots, self.cache.slots))
+
+    def _run(self, counts: list[int], slots: dict[int, int]) -> None:
+        self.streams.run(self.streams.compute, self.costs.group_ms(counts))
+        self.cache.release(list(slots.values()))
+
+    def compute_all(self, l: int, hidden, weights, inputs: list[int], slots: dict[int, int]):
+        self.cache.wait_ready(slots.values())
+        self._run(inputs, slots)
+        return hidden
+
+    def add_group(self, l: int, hidden, weights, rows: list[int], slots: dict[int, int], out) -> None:
+        self._run(rows, slots)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the simulator needs of a model: its geometry, its decoder depth and one expert's packed layout."""
+
+    name: str
+    num_layers: int  # L: MoE layers
+    num_experts: int
+    top_k: int
+    decoder_layers: int
+    layout: ExpertLayout
+
+    @classmethod
+    def of(cls, spec: str, layers: int | None = None, dtype: str = "bfloat16") -> ModelShape:
+        """A named shape (``duoserve.bench.shapes``), a config (hub id, local path) or ``embedded``, built on the
+        meta device (no memory); ``layers``: keep that many decoder layers."""
+        with tempfile.TemporaryDirectory() as folder:
+            source = str(save_shape(spec, folder)) if spec in SHAPES else spec
+            net = model_from_config(source, torch.device("meta"), dtype, layers)
+        moe = find_moe_layers(net)
+        g = moe_geometry(net, moe)
+        params = expert_params(moe[0].experts)
+        return cls(spec, g.num_layers, g.num_experts, g.top_k, net.config.get_text_config().num_hidden_layers,
+                   ExpertLayout.of(params))
+
+    def check(self, profile: dict) -> None:
+        """Refuse a profile measured for another expert size or geometry (its costs would not apply)."""
+        g = profile["geometry"]
+        ours = (self.num_experts, self.top_k, self.layout.nbytes)
+        theirs = (g["experts"], g["top_k"], g["expert_bytes"])
+        if ours != theirs:
+            raise ValueError(f"the profile was measured for E, k, expert bytes = {theirs} ({profile.get('model')}); "
+                             f"shape {self.name} has {ours}: profile it with duoserve-run profile --model {self.name}")
+
+
+class Pass(NamedTuple):
+    """One forward pass to simulate: its phase, routing (L x T x k), batch and context, and the next-gate's ids
+    and scores of its tokens for predictors that read them (T x (L-1) x m each, or None)."""
+
+    phase: str
+    ids: np.ndarray
+    batch: int
+    context: int
+    nextgate: tuple[np.ndarray, np.ndarray | None] | None = None
+
+
+class _PassRouting:
+    """The routing of the pass being simulated, where an oracle reads it (a ``RoutingSource``'s ``ids``)."""
+
+    def __init__(self):
+        self.current: np.ndarray | None = None  # L x T x k
+
+    def ids(self, layer: int) -> np.ndarray:
+        return self.current[layer]
+
+
+class Simulator:
+    """``policy`` on a model of ``shape``, timed by ``costs``; ``predictor``: none, oracle[:RECALL] or an artifact
+    path (a trained predictor, run on the host CPU on the pass's real routing)."""
+
+    def __init__(self, shape: ModelShape, costs: Costs, policy: Policy, predictor: str = "none",
+                 settings: EngineSettings = EngineSettings(), expert_dtype: str = "model", seed: int = 0):
+        if policy.resident or policy.accelerate or policy.host_compute:
+            raise ValueError(f"policy {policy.name} does not run the engine's schedule; simulate one of the policies "
+                             "that offload through the expert cache")
+        if expert_dtype != "model" and not policy.quantizable:
+            raise ValueError(f"policy {policy.name} copies the model's own parameters; it takes no quantized experts")
+        self.shape, self.costs, self.policy = shape, costs, policy
+        self.streams = SimStreams()
+        self._routing = _PassRouting()
+        self._nextgate: tuple | None = None
+        L, E, k = shape.num_layers, shape.num_experts, shape.top_k
+        stores = [SimStore(shape.layout, costs, policy.pinned, expert_dtype) for _ in range(L)]
+        deployed, next_gate = None, None
+        if policy.predict and predictor != "none":
+            if predictor.startswith("oracle"):
+                deployed = OraclePredictor(self._routing, E, oracle_recall(predictor), seed)
+            else:
+                artifact = load_predictor(predictor)
+                artifact.check_geometry(L, E, k)
+                deployed = TrainedPredictor(artifact, "cpu")
+                if deployed.nextgate:
+                    next_gate = [None] + [self._next_gate_of(t, deployed.nextgate, deployed.nextgate_scores)
+                                          for t in range(1, L)]
+        self.scheduler = ExpertScheduler((L, E, k), stores, policy, settings, self.streams,
+                                         lambda cache, streams, timers: SimCompute(cache, streams, timers, costs),
+                                         deployed, next_gate)
+
+    def _next_gate_of(self, target: int, width: int, with_scores: bool):
+        """What the engine's next-gate function gives for ``target``: the replayed pass's B x m ids (and scores)."""
+        def features(hidden) -> tuple[torch.Tensor, ...]:
+            ids, scores = self._nextgate or (None, None)
+            if ids is None or (with_scores and scores is None):
+                raise ValueError("this predictor reads next-gate features; the routing replayed has none (a trace "
+                                 "collected with them, of at least the predictor's width)")
+            out = (torch.from_numpy(ids[:, target - 1, :width].astype(np.int64)),)  # B x m
+            return out + (torch.from_numpy(scores[:, target - 1, :width].astype(np.float32)),) if with_scores else out
+
+        return features
+
+    def forward(self, p: Pass) -> float:
+        """Simulate one forward pass; its wall milliseconds (host clock, the pass's token read at its end)."""
+        s, costs, sched = self.streams, self.costs, self.scheduler
+        start = s.host
+        self._routing.current, self._nextgate = p.ids, p.nextgate
+        sched.begin_pass(p.phase, p.batch)
+        T = p.ids.shape[1]
+        hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)
+        idx = torch.from_numpy(p.ids.astype(np.int64, copy=False))  # L x T x k
+        layer_ms = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
+        host_ms = costs.call_host_ms(p.phase, T)
+        s.run(s.compute, layer_ms * (self.shape.decoder_layers - self.shape.num_layers))  # dense decoder layers
+        for l in range(self.shape.num_layers):
+            s.run(s.compute, layer_ms)
+            s.block(s.compute)  # the engine reads the layer's routing
+            s.host += host_ms
+            sched.run_layer(l, hidden, idx[l], weights)
+        s.run(s.compute, costs.pass_ms("step_ms", p.phase, p.batch, p.context))
+        s.block(s.compute)  # the next token is read
+        return s.host - start
+
+    def stats(self) -> dict:
+        out = self.scheduler.stats()
+        out["stall_ms"] = self.streams.stall_ms
+        return out
+
+
+def random_passes(shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Iterator[Pass]:
+    """The forward passes of the bench's run: a prefill of B x S tokens and N - 1 decode steps, routed uniformly at
+    random as ``RandomRouting`` draws it on the host (with the same seed: the same routing as the engine's)."""
+    routing = RandomRouting(shape.num_layers, shape.num_experts, shape.top_k, seed)
+    yield Pass("prefill", routing.begin(batch * prompt_len).numpy(), batch, prompt_len)
+    for i in range(new_tokens - 1):
+        yield Pass("decode", routing.begin(batch).numpy(), batch, prompt_len + i + 1)
+
+
+@dataclass
+class Request:
+    """One traced request: its prompt's and generated tokens' routing (P x L x k, D x L x k) and next-gate
+    features (ids, scores: each N x (L-1) x m, or None), in position order."""
+
+    prompt: np.ndarray
+    decode: np.ndarray
+    nextgate: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
+
+
+def trace_requests(trace: str | Path, limit: int | None = None) -> list[Request]:
+    """The requests of a trace folder, in request order (``limit``: the first that many)."""
+    from duoserve.trace.format import open_trace
+
+    t = open_trace(trace)
+    L, k = t.meta.num_layers, t.meta.top_k
+    m = t.meta.nextgate_width
+    columns = ["dataset", "request_id", "phase", "position", "experts"]
+    names = set(t.dataset.schema.names)
+    has_gate = "nextgate" in names
+    columns += ["nextgate"] + (["nextgate_scores"] if "nextgate_scores" in names else []) if has_gate else []
+    table = t.dataset.to_table(columns=columns).to_pandas()
+    table = table.sort_values(["dataset", "request_id", "position"], kind="stable")
+    requests = []
+    for _, rows in table.groupby(["dataset", "request_id"], sort=False):
+        experts = np.stack(rows["experts"].to_numpy()).reshape(-1, L, k)  # N x L x k
+        prefill = (rows["phase"] == "prefill").to_numpy()
+        gate = (None, None)
+        if has_gate:
+            ids = np.stack(rows["nextgate"].to_numpy()).reshape(-1, L - 1, m)
+            scores = np.stack(rows["nextgate_scores"].to_numpy()).reshape(-1, L - 1, m) \
+                if "nextgate_scores" in rows else None
+            gate = (ids[~prefill], None if scores is None else scores[~prefill])
+        requests.append(Request(experts[prefill], experts[~prefill], gate))
+        if limit and len(requests) >= limit:
+            break
+    if not requests:
+        raise ValueError(f"trace {trace} holds no requests to simulate")
+    return requests
+
+
+def trace_passes(requests: list[Request], batch: int) -> Iterator[tuple[int, Pass]]:
+    """(batch index, pass): each batch of ``batch`` consecutive requests as one prefill of all their prompt tokens
+    and a decode step per generated token while any of them still generates."""
+    for b, i in enumerate(range(0, len(requests), batch)):
+        group = requests[i:i + batch]
+        context = max(len(r.prompt) for r in group)
+        yield b, Pass("prefill", np.concatenate([r.prompt for r in group]).transpose(1, 0, 2), len(group), context)
+        for j in range(max(len(r.decode) for r in group)):
+            active = [r for r in group if len(r.decode) > j]
+            gate = None
+            if active[0].nextgate[0] is not None:
+                ids = np.stack([r.nextgate[0][j] for r in active])
+                scores = None if active[0].nextgate[1] is None else np.stack([r.nextgate[1][j] for r in active])
+                gate = (ids, scores)
+            ids = np.stack([r.decode[j] for r in active]).transpose(1, 0, 2)  # L x B x k
+            yield b, Pass("decode", ids, len(active), context + j + 1, gate)
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    return float(np.percentile(values, q)) if values else None
+
+
+def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
+    """Simulate ``passes`` ((batch index, pass) pairs); TTFT per batch, time per output token per decode step (P50,
+    P95, mean), tokens, token-layers, the engine's counters and the simulator's own seconds."""
+    ttft, tpot, tokens = [], [], 0
+    started = time.perf_counter()
+    for _, p in passes:
+        ms = sim.forward(p)
+        (ttft if p.phase == "prefill" else tpot).append(ms)
+        tokens += p.ids.shape[1]
+    stats = sim.stats()
+    seconds = time.perf_counter() - started
+    return {"ttft_ms": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "mean": statistics.fmean(ttft) if ttft else None},
+            "tpot_ms": {"p50": _pct(tpot, 50), "p95": _pct(tpot, 95), "mean": statistics.fmean(tpot) if tpot else None},
+            "tokens": tokens, "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
+            "simulated_s": sim.streams.host / 1e3, "sim_seconds": seconds,
+            "peak_expert_bytes": stats["cache_bytes"], **{key: stats[key] for key in (
+                "cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision",
+                "stall_ms")}}

@@ -1,0 +1,153 @@
+"""The offload simulator: the engine's own decisions on simulated clocks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from duoserve.bench.drivers import OraclePredictor, RandomRouting
+from duoserve.bench.simulate import Costs, ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
+from duoserve.discovery import find_moe_layers
+from duoserve.loading import load_model
+from duoserve.predictor.artifact import load_predictor, save_predictor
+from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.generation import offload, timed_generate
+from duoserve.runtime.policies import POLICIES
+from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.store import put_experts
+from tests.conftest import write_trace
+
+
+def cpu_profile(shape: ModelShape) -> dict:
+    """A profile of made-up costs for ``shape``: decisions do not depend on costs, times are not asserted here."""
+    grid = [{"batch": B, "context": C, "decode_ms": 0.1 * B, "prefill_ms": 0.01 * B * C}
+            for B in (1, 8) for C in (16, 512)]
+    return {"profile_version": 2, "device": "made up", "model": shape.name,
+            "geometry": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
+                         "hidden_size": 0, "expert_bytes": shape.layout.nbytes},
+            "copy": [{"bytes": 1 << 20, "pinned_gbps": 50.0, "pageable_gbps": 6.0},
+                     {"bytes": 1 << 26, "pinned_gbps": 55.0, "pageable_gbps": 7.0}],
+            "copy_host_us": 5.0, "dequant_ms": {"fp8": 0.01, "int4": 0.01},
+            "expert_ms": [{"experts": g, "tokens": t, "ms": 0.01 + 0.002 * g * t} for g in (1, shape.top_k)
+                          for t in (1, 64)],
+            "call_host_us": [{"phase": p, "tokens": t, "us": 50.0 + t} for p in ("decode", "prefill") for t in (1, 64)],
+            "layer_ms": grid, "step_ms": grid}
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    return load_model("embedded", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def trained(embedded, tmp_path_factory):
+    """A predictor artifact of the embedded model's geometry (random weights: its guesses, not their quality)."""
+    model, _ = embedded
+    layers = find_moe_layers(model)
+    torch.manual_seed(0)
+    spec = FeatureSpec(len(layers), layers[0].experts.num_experts, model.config.num_experts_per_tok, window=2)
+    return save_predictor(ExpertPredictor(spec, widths=(32, 16)).eval(), tmp_path_factory.mktemp("p") / "p", {}, [])
+
+
+CASES = [  # (policy, predictor, settings)
+    ("duoserve", "oracle", EngineSettings()),
+    ("duoserve", "oracle:0.5", EngineSettings()),
+    ("duoserve", "none", EngineSettings()),
+    ("duoserve", "trained", EngineSettings()),
+    ("duoserve", "oracle:0.9", EngineSettings(lookahead=2)),
+    ("on-demand", "none", EngineSettings()),
+    ("lru", "none", EngineSettings()),
+    ("full-layer", "none", EngineSettings()),
+    ("per-module", "none", EngineSettings()),
+]
+COUNTERS = ("cache_slots", "bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision")
+
+
+def _engine_counts(model, tokenizer, policy, predictor, settings, batch: int, prompt: int, new: int) -> dict:
+    L = len(find_moe_layers(model))
+    E, k = find_moe_layers(model)[0].experts.num_experts, model.config.num_experts_per_tok
+    routing = RandomRouting(L, E, k, seed=0)
+    if isinstance(predictor, str) and predictor.startswith("oracle"):
+        predictor = OraclePredictor(routing, E, float(predictor.partition(":")[2] or 1.0))
+    elif predictor == "none":
+        predictor = None
+    ids = torch.randint(5, len(tokenizer), (batch, prompt), generator=torch.Generator().manual_seed(1))
+    stores = offload(model, policy, "cpu")
+    try:
+        with OffloadEngine(model, stores, policy, predictor, routing, settings) as engine:
+            timed_generate(model, ids, torch.ones_like(ids), new, fixed_length=True)
+            stats = engine.stats()
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+    return {key: stats[key] for key in COUNTERS}
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_simulator_counts_equal_the_engines_on_the_same_routing_and_predictor(embedded, trained, batch):
+    model, tokenizer = embedded
+    shape = ModelShape.of("embedded", dtype="float32")
+    costs = Costs(cpu_profile(shape))
+    slots = 3 * shape.top_k + 2  # a budget of a few experts more than the cache's own work takes
+    budgeted = EngineSettings(gpu_expert_budget=slots * shape.layout.nbytes, pin=((0, 0), (1, 3)))
+    for name, predictor, settings in CASES + [("lru", "none", budgeted), ("duoserve", "oracle:0.5", budgeted)]:
+        policy = POLICIES[name]
+        spec = str(trained) if predictor == "trained" else predictor
+        engine = _engine_counts(model, tokenizer, policy, load_predictor(trained) if predictor == "trained" else
+                                predictor, settings, batch, prompt=7, new=6)
+        sim = Simulator(shape, costs, policy, spec, settings)
+        simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
+        assert {key: simulated[key] for key in COUNTERS} == engine, (name, predictor, settings)
+        assert simulated["copies"]["decode"] + simulated["copies"]["prefill"] > 0
+        assert simulated["ttft_ms"]["p50"] > 0 and simulated["tpot_ms"]["p50"] > 0
+
+
+def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):
+    shape = ModelShape.of("embedded", dtype="float32")
+    L, E, k = shape.num_layers, shape.num_experts, shape.top_k
+    assert E >= 2 * k
+    # two requests; each token routes to one of two disjoint sets of k experts, A = 0..k-1 or B = k..2k-1, at
+    # every layer; request 0: prompt A, A; decode B, A | request 1: prompt B; decode B
+    firsts = [0, 0, k, 0, k, k]
+    ids = np.array([[list(range(a, a + k))] * L for a in firsts])  # N x L x k
+    write_trace(tmp_path / "t", ids, request_ids=[0, 0, 0, 0, 1, 1],
+                phases=["prefill", "prefill", "decode", "decode", "prefill", "decode"], num_experts=E)
+    requests = trace_requests(tmp_path / "t")
+    assert [(len(r.prompt), len(r.decode)) for r in requests] == [(2, 2), (1, 1)]
+    costs, nbytes = Costs(cpu_profile(shape)), shape.layout.nbytes
+    # on-demand fetches each pass's distinct experts per layer: passes route A, B, A | B, B: k experts each
+    sim = Simulator(shape, costs, POLICIES["on-demand"])
+    on_demand = run(sim, trace_passes(requests, batch=1))
+    assert on_demand["bytes_h2d"] == {"prefill": 2 * k * L * nbytes, "decode": 3 * k * L * nbytes}
+    # a cache that holds every expert of every layer fetches each (layer, expert) once, all in the first request:
+    # A in its prefill, B in its first decode step; the other decode lookups (A, then B twice) hit
+    whole = EngineSettings(gpu_expert_budget=L * E * nbytes)
+    lru = run(Simulator(shape, costs, POLICIES["lru"], settings=whole), trace_passes(requests, batch=1))
+    assert lru["bytes_h2d"] == {"prefill": k * L * nbytes, "decode": k * L * nbytes}
+    assert lru["hit_rate"]["decode"] == pytest.approx(2 / 3)
+    # both requests in one batch: one prefill of three tokens (A and B), then decode steps of (B, B) and (A)
+    batched = run(Simulator(shape, costs, POLICIES["on-demand"]), trace_passes(requests, batch=2))
+    assert batched["decode_steps"] == 2 and batched["tokens"] == 6
+    assert batched["bytes_h2d"] == {"prefill": 2 * k * L * nbytes, "decode": 2 * k * L * nbytes}
+
+
+def test_simulated_times_follow_the_profile(embedded):
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = cpu_profile(shape)
+    slow = json.loads(json.dumps(profile))
+    for row in slow["copy"]:
+        row["pinned_gbps"] /= 10
+    results = {}
+    for name, p in (("fast", profile), ("slow", slow)):
+        sim = Simulator(shape, Costs(p), POLICIES["on-demand"])
+        results[name] = run(sim, ((0, p) for p in random_passes(shape, 1, 16, 8)))
+    assert results["slow"]["tpot_ms"]["mean"] > results["fast"]["tpot_ms"]["mean"]
+    assert results["slow"]["bytes_h2d"] == results["fast"]["bytes_h2d"]
+    # an oracle that is always right hides copies behind compute that the gate's fetches wait for
+    stalls = {spec: run(Simulator(shape, Costs(slow), POLICIES["duoserve"], spec),
+                        ((0, p) for p in random_passes(shape, 1, 16, 8)))["stall_ms"] for spec in ("none", "oracle")}
+    assert stalls["oracle"] < stalls["none"]
+    assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
