@@ -24,14 +24,15 @@ from tests.conftest import write_trace
 
 def cpu_profile(shape: ModelShape) -> dict:
     """A profile of made-up costs for ``shape``: decisions do not depend on costs, times are not asserted here."""
-    grid = [{"batch": B, "context": C, "decode_ms": 0.1 * B, "prefill_ms": 0.01 * B * C}
-            for B in (1, 8) for C in (16, 512)]
+    grid = [{"batch": B, "context": C, "decode_ms": 0.1 * B, "prefill_ms": 0.01 * B * C, "decode_device_ms": 0.05,
+             "prefill_device_ms": 0.01 * B * C} for B in (1, 8) for C in (16, 512)]
     return {"profile_version": 2, "device": "made up", "model": shape.name,
             "geometry": {"moe_layers": shape.num_layers, "experts": shape.num_experts, "top_k": shape.top_k,
                          "hidden_size": 0, "expert_bytes": shape.layout.nbytes},
             "copy": [{"bytes": 1 << 20, "pinned_gbps": 50.0, "pageable_gbps": 6.0},
                      {"bytes": 1 << 26, "pinned_gbps": 55.0, "pageable_gbps": 7.0}],
-            "copy_host_us": 5.0, "dequant_ms": {"fp8": 0.01, "int4": 0.01},
+            "copy_host_us": 5.0, "module_copy_ms": 0.05, "dequant_ms": {"fp8": 0.01, "int4": 0.01},
+            "predictor_ms": [{"batch": B, "host_ms": 0.05, "wall_ms": 0.08} for B in (1, 8)],
             "expert_ms": [{"experts": g, "tokens": t, "ms": 0.01 + 0.002 * g * t} for g in (1, shape.top_k)
                           for t in (1, 64)],
             "call_host_us": [{"phase": p, "tokens": t, "us": 50.0 + t} for p in ("decode", "prefill") for t in (1, 64)],

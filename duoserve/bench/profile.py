@@ -9,20 +9,28 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   copy          host-to-device GB/s by copy size, pinned and pageable
   copy_host_us  host microseconds to queue one expert copy on the engine's copy path, not waiting for it
                 (on the CPU the copy is synchronous, so this is the copy itself)
+  module_copy_ms  one expert fetched from per-module (pageable) parameters, a blocking copy per parameter, over
+                distinct experts of a layer (the per-module policies' fetch)
   expert_ms     device time of the engine's grouped expert compute (``experts.slot_experts``) of 1 and of k
                 experts with T tokens each, replayed from a CUDA graph where one can be captured (so no host time
                 is in it); on the CPU, its wall time
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
                 grouped, the cache looked up, the compute queued), by phase and tokens
+  predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
+                by batch size: its host time, and its wall time with the device waited for
   dequant_ms    dequantizing one expert on the device, by stored expert dtype
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
-                size and context length (the experts answering zeros through the experts interface)
+                size and context length (the experts answering zeros through the experts interface): wall time
+                (``decode_ms``, ``prefill_ms``: what the host spends launching it, where it is host-bound) and the
+                device's kernel time (``decode_device_ms``, ``prefill_device_ms``: torch's profiler; the wall
+                time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -35,8 +43,10 @@ import torch
 
 from duoserve.bench.drivers import random_ids
 from duoserve.bench.harness import copy_bandwidth, device_name, sync
+from duoserve.bench.shapes import random_predictor
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
+from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.experts import SlotView, slot_experts
 from duoserve.runtime.generation import timed_generate
@@ -48,8 +58,8 @@ from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
 PROFILE_VERSION = 2
-PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "expert_ms", "call_host_us", "dequant_ms",
-                  "layer_ms", "step_ms")
+PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
+                  "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
 
 
@@ -206,6 +216,10 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     copy = [{"bytes": n, **copy_bandwidth(device, n)} for n in sizes]
     say("host cost of queueing a copy")
     host_us = _copy_host_us(store, device)
+    say("a per-module fetch")
+    module_ms = _module_copy_ms(params, device, s.repeats)
+    say("a predictor's decode call")
+    predictor_ms = _predictor_ms(full.num_layers, full.num_experts, full.top_k, s, device)
 
     say("the engine's expert compute by tokens")
     with torch.no_grad():
@@ -225,7 +239,8 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     del shallow
     layer_ms, step_ms = [], []
     for one, deep in zip(passes[1], passes[s.layers]):
-        per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0) for key in ("decode_ms", "prefill_ms")}
+        per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0)
+                     for key in ("decode_ms", "prefill_ms", "decode_device_ms", "prefill_device_ms")}
         layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
         step_ms.append({"batch": one["batch"], "context": one["context"],
                         **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
@@ -236,13 +251,14 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
                          "hidden_size": H, "expert_bytes": nbytes},
-            "copy": copy, "copy_host_us": host_us, "expert_ms": expert_ms, "call_host_us": call_host_us,
+            "copy": copy, "copy_host_us": host_us, "module_copy_ms": module_ms, "expert_ms": expert_ms,
+            "call_host_us": call_host_us, "predictor_ms": predictor_ms,
             "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms}
 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
-    """Wall milliseconds of a whole decode step and a whole prefill of ``model``, its routed experts answering
-    zeros, by batch size and context length."""
+    """Wall and device milliseconds of a whole decode step and a whole prefill of ``model``, its routed experts
+    answering zeros, by batch size and context length."""
     depth = model.config.get_text_config().num_hidden_layers
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
@@ -253,11 +269,63 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
                 say(f"{depth} layers without experts, B={B} C={C}")
                 ids = torch.randint(vocab, (B, C), device=device)
                 mask = torch.ones_like(ids)
-                timed_generate(model, ids, mask, 2, fixed_length=True)  # warm-up
-                timings = [timed_generate(model, ids, mask, 8, fixed_length=True)[1] for _ in range(s.repeats)]
-                rows.append({"batch": B, "context": C,
-                             "decode_ms": statistics.median(t["tpot_ms"] for t in timings),
-                             "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings)})
+
+                def generate(n: int) -> dict:
+                    return timed_generate(model, ids, mask, n, fixed_length=True)[1]
+
+                generate(2)  # warm-up
+                timings = [generate(8) for _ in range(s.repeats)]
+                row = {"batch": B, "context": C, "decode_ms": statistics.median(t["tpot_ms"] for t in timings),
+                       "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings)}
+                if device.type == "cuda":  # kernel time of a prefill alone, and of it with 7 decode steps
+                    prefill, both = _kernel_ms(lambda: generate(1)), _kernel_ms(lambda: generate(8))
+                    row.update(prefill_device_ms=prefill, decode_device_ms=max(both - prefill, 0.0) / 7)
+                else:
+                    row.update(prefill_device_ms=row["prefill_ms"], decode_device_ms=row["decode_ms"])
+                rows.append(row)
+    return rows
+
+
+def _kernel_ms(fn: Callable[[], None]) -> float:
+    """Milliseconds the device spent in kernels and copies while ``fn`` ran (torch's profiler)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
+
+
+def _module_copy_ms(params: dict[str, torch.Tensor], device: torch.device, repeats: int) -> float:
+    """One expert fetched from pageable per-module parameters (a blocking copy per parameter), over distinct
+    experts."""
+    store = HostExperts.as_modules(params)
+    streams = Streams(device)
+    slot = torch.empty(store.layout.numel, dtype=store.layout.dtype, device=device)  # P
+    E = len(next(iter(params.values())))
+    experts = itertools.count()
+    return _median_ms(lambda: store._copy_one(next(experts) % E, slot, streams, streams.compute), device,
+                      max(repeats, 8))
+
+
+def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.device) -> list[dict]:
+    """Host and wall milliseconds of one decode-time predictor call (scores of one target, its top-k), by batch."""
+    predictor = TrainedPredictor(random_predictor(L, E, k), device)
+    rows = []
+    for B in s.batch_sizes:
+        history = torch.randint(E, (B, L, k), device=device)  # B x L x k
+
+        def call() -> None:
+            predictor.scores(history, L - 1, depth=1).topk(k, dim=-1)
+
+        host = []
+        for _ in range(s.repeats + 1):
+            sync(device)
+            start = time.perf_counter()
+            call()
+            host.append((time.perf_counter() - start) * 1e3)
+        rows.append({"batch": B, "host_ms": statistics.median(host[1:]), "wall_ms": _median_ms(call, device, s.repeats)})
     return rows
 
 

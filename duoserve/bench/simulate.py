@@ -43,6 +43,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, oracle_recall
+from duoserve.bench.profile import load_profile
 from duoserve.bench.shapes import SHAPES, save_shape
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config
@@ -52,7 +53,26 @@ from duoserve.runtime.policies import Policy
 from duoserve.runtime.quant import QuantLayout, check_expert_dtype
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.sources import RoutingSource
 from duoserve.runtime.store import ExpertLayout, expert_params
+
+
+PROFILES = Path(__file__).parent / "profiles"  # the device profiles shipped with the package
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(f.stem for f in PROFILES.glob("*.json"))
+
+
+def resolve_profile(spec: str | Path) -> dict:
+    """A device profile from a file, or one shipped with the package by name (``h200-qwen3-30b-a3b``), validated."""
+    path = Path(spec)
+    if not path.exists() and (PROFILES / f"{spec}.json").exists():
+        path = PROFILES / f"{spec}.json"
+    elif not path.exists():
+        raise FileNotFoundError(f"no device profile {spec}: give a file made by duoserve-run profile or one of the "
+                                f"shipped ones: {', '.join(builtin_profiles())}")
+    return load_profile(path)
 
 
 def _interp(points: list[tuple[float, float]], x: float) -> float:
@@ -93,6 +113,9 @@ class Costs:
         self._call_host = {phase: [(r["tokens"], r["us"] / 1e3) for r in profile["call_host_us"] if r["phase"] == phase]
                            for phase in ("prefill", "decode")}
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
+        self.module_copy_ms = profile["module_copy_ms"]
+        self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
+                           for r in profile["predictor_ms"]]
 
     def copy_ms(self, nbytes: int, pinned: bool = True) -> float:
         """One host-to-device copy of ``nbytes``: at the bandwidth measured for that size (clamped to the sizes
@@ -109,18 +132,31 @@ class Costs:
         points = self._call_host[phase] or self._call_host["prefill"]
         return _interp(points, tokens)
 
-    def pass_ms(self, name: str, phase: str, batch: int, context: int) -> float:
-        """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C): linear in C within each
-        measured B, then linear in B."""
-        key = f"{phase}_ms"
+    def pass_ms(self, name: str, phase: str, batch: int, context: int) -> tuple[float, float]:
+        """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C), wall and device: linear
+        in C within each measured B, then linear in B."""
+        return tuple(self._grid(self._pass[name], key, batch, context)
+                     for key in (f"{phase}_ms", f"{phase}_device_ms"))
+
+    @staticmethod
+    def _grid(rows: list[dict], key: str, batch: int, context: int) -> float:
         by_batch: dict[int, list[tuple[int, float]]] = {}
-        for row in self._pass[name]:
+        for row in rows:
             by_batch.setdefault(row["batch"], []).append((row["context"], row[key]))
         return _interp([(B, _interp(points, context)) for B, points in by_batch.items()], batch)
 
+    def predictor_ms(self, batch: int) -> tuple[float, float]:
+        """One predictor call at ``batch``: host time, then device time after it."""
+        return tuple(_interp([(B, cost[i]) for B, cost in self._predictor], batch) for i in range(2))
+
 
 class _Event(NamedTuple):
+    owner: SimStreams
     t: float  # ms: when the work queued before it ends
+
+    def synchronize(self) -> None:
+        """The host waits for it."""
+        self.owner.host = max(self.owner.host, self.t)
 
 
 class _Clock:
@@ -151,7 +187,7 @@ class SimStreams:
         return nullcontext()
 
     def record(self, stream=None) -> _Event:
-        return _Event(max((stream or self.compute).t, self.host))
+        return _Event(self, max((stream or self.compute).t, self.host))
 
     def wait(self, stream: _Clock, event: _Event | None) -> None:
         if event is None:
@@ -166,6 +202,12 @@ class SimStreams:
         stream.t = max(stream.t, self.host) + ms
         if copy and stream is self.compute:
             self.stall_ms += ms
+
+    def launch(self, wall_ms: float, device_ms: float) -> None:
+        """Work the host spends ``wall_ms`` launching onto the compute stream, ``device_ms`` of kernels there: they
+        run as the host launches them (behind what the stream holds), ending no earlier than the last launch."""
+        start, self.host = self.host, self.host + wall_ms
+        self.compute.t = max(max(self.compute.t, start) + device_ms, self.host)
 
     def block(self, stream: _Clock) -> None:
         """The host waits for ``stream``'s work so far."""
@@ -186,15 +228,13 @@ class SimStore:
         if self.dequantizes and not packed:
             raise ValueError("quantized experts are stored packed")
         self.row_bytes = QuantLayout.of(layout, fmt).nbytes if self.dequantizes else layout.nbytes
-        self._param_bytes = [math.prod(shape) * layout.dtype.itemsize for shape in layout.shapes]
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
         costs = self.costs
         for _ in experts:
             if self.packed is None:  # a blocking copy from pageable memory per parameter
-                for nbytes in self._param_bytes:
-                    streams.run(stream, costs.copy_ms(nbytes, pinned=False), copy=True)
-                    streams.block(stream)
+                streams.run(stream, costs.module_copy_ms, copy=True)
+                streams.block(stream)
                 continue
             streams.host += costs.copy_host_ms
             streams.run(stream, costs.copy_ms(self.row_bytes), copy=True)
@@ -279,6 +319,24 @@ class Pass(NamedTuple):
     nextgate: tuple[np.ndarray, np.ndarray | None] | None = None
 
 
+class _TimedPredictor:
+    """A trained predictor run on the host for its real predictions, each call costing what the profile's predictor
+    call costs: host time, then device time on the predictor stream (which the prefetch's rank waits for)."""
+
+    on_host = False
+
+    def __init__(self, predictor: TrainedPredictor, streams: SimStreams, costs: Costs):
+        self.predictor, self.streams, self.costs = predictor, streams, costs
+        self.nextgate, self.nextgate_scores = predictor.nextgate, predictor.nextgate_scores
+        self.lookahead = predictor.lookahead
+
+    def scores(self, history: torch.Tensor, target: int, *nextgate, depth: int = 1) -> torch.Tensor:
+        host_ms, device_ms = self.costs.predictor_ms(len(history))
+        self.streams.host += host_ms
+        self.streams.run(self.streams.predict, device_ms)
+        return self.predictor.scores(history, target, *nextgate, depth=depth)
+
+
 class _PassRouting:
     """The routing of the pass being simulated, where an oracle reads it (a ``RoutingSource``'s ``ids``)."""
 
@@ -313,7 +371,7 @@ class Simulator:
             else:
                 artifact = load_predictor(predictor)
                 artifact.check_geometry(L, E, k)
-                deployed = TrainedPredictor(artifact, "cpu")
+                deployed = _TimedPredictor(TrainedPredictor(artifact, "cpu"), self.streams, costs)
                 if deployed.nextgate:
                     next_gate = [None] + [self._next_gate_of(t, deployed.nextgate, deployed.nextgate_scores)
                                           for t in range(1, L)]
@@ -342,17 +400,23 @@ class Simulator:
         T = p.ids.shape[1]
         hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)
         idx = torch.from_numpy(p.ids.astype(np.int64, copy=False))  # L x T x k
-        layer_ms = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
+        wall, device = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
         host_ms = costs.call_host_ms(p.phase, T)
-        s.run(s.compute, layer_ms * (self.shape.decoder_layers - self.shape.num_layers))  # dense decoder layers
+        dense = self.shape.decoder_layers - self.shape.num_layers
+        s.launch(wall * dense, device * dense)
         for l in range(self.shape.num_layers):
-            s.run(s.compute, layer_ms)
+            s.launch(wall, device)
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += host_ms
             sched.run_layer(l, hidden, idx[l], weights)
-        s.run(s.compute, costs.pass_ms("step_ms", p.phase, p.batch, p.context))
+        s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
         s.block(s.compute)  # the next token is read
         return s.host - start
+
+    def reset_stats(self) -> None:
+        """Counters from here on (the cache keeps what it holds), as the bench resets them after its warm-up."""
+        self.scheduler.reset_stats()
+        self.streams.stall_ms = 0.0
 
     def stats(self) -> dict:
         out = self.scheduler.stats()
@@ -360,13 +424,27 @@ class Simulator:
         return out
 
 
-def random_passes(shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Iterator[Pass]:
-    """The forward passes of the bench's run: a prefill of B x S tokens and N - 1 decode steps, routed uniformly at
-    random as ``RandomRouting`` draws it on the host (with the same seed: the same routing as the engine's)."""
-    routing = RandomRouting(shape.num_layers, shape.num_experts, shape.top_k, seed)
+def generation_passes(routing: RoutingSource, batch: int, prompt_len: int, new_tokens: int) -> Iterator[Pass]:
+    """The forward passes of one generation of N tokens for B prompts of S tokens: a prefill of B x S tokens and N - 1
+    decode steps, each routed as ``routing`` draws it when the pass starts (as the engine's routing source does)."""
     yield Pass("prefill", routing.begin(batch * prompt_len).numpy(), batch, prompt_len)
     for i in range(new_tokens - 1):
         yield Pass("decode", routing.begin(batch).numpy(), batch, prompt_len + i + 1)
+
+
+def random_passes(shape: ModelShape, batch: int, prompt_len: int, new_tokens: int, seed: int = 0) -> Iterator[Pass]:
+    """``generation_passes`` routed uniformly at random as ``RandomRouting`` draws it on the host (with the same seed:
+    the same routing as an engine's on the host)."""
+    routing = RandomRouting(shape.num_layers, shape.num_experts, shape.top_k, seed)
+    return generation_passes(routing, batch, prompt_len, new_tokens)
+
+
+def bench_passes(routing: RoutingSource, batch: int, prompt_len: int, new_tokens: int) -> Iterator[tuple[int, Pass]]:
+    """The passes of one ``duoserve-run bench`` run, as ``run`` takes them: its warm-up generation of 2 tokens (index
+    -1: simulated, not reported) and then the timed generation (index 0), on one routing source."""
+    for index, count in ((-1, 2), (0, new_tokens)):
+        for p in generation_passes(routing, batch, prompt_len, count):
+            yield index, p
 
 
 @dataclass
@@ -428,25 +506,33 @@ def trace_passes(requests: list[Request], batch: int) -> Iterator[tuple[int, Pas
             yield b, Pass("decode", ids, len(active), context + j + 1, gate)
 
 
-def _pct(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
 def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
-    """Simulate ``passes`` ((batch index, pass) pairs); TTFT per batch, time per output token per decode step (P50,
-    P95, mean), tokens, token-layers, the engine's counters and the simulator's own seconds."""
-    ttft, tpot, tokens = [], [], 0
+    """Simulate ``passes`` ((batch index, pass) pairs; a negative index: a warm-up pass, simulated but neither timed
+    nor counted); TTFT per batch, time per output token per decode step (P50, P95, mean), tokens, token-layers, the
+    engine's counters and the simulator's own seconds."""
+    ttft, tpot, tokens, warm = [], [], 0, False
     started = time.perf_counter()
-    for _, p in passes:
+    for index, p in passes:
         ms = sim.forward(p)
+        if index < 0:
+            warm = True
+            continue
+        if warm:
+            sim.reset_stats()
+            warm = False
         (ttft if p.phase == "prefill" else tpot).append(ms)
         tokens += p.ids.shape[1]
     stats = sim.stats()
     seconds = time.perf_counter() - started
-    return {"ttft_ms": {"p50": _pct(ttft, 50), "p95": _pct(ttft, 95), "mean": statistics.fmean(ttft) if ttft else None},
-            "tpot_ms": {"p50": _pct(tpot, 50), "p95": _pct(tpot, 95), "mean": statistics.fmean(tpot) if tpot else None},
-            "tokens": tokens, "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
-            "simulated_s": sim.streams.host / 1e3, "sim_seconds": seconds,
-            "peak_expert_bytes": stats["cache_bytes"], **{key: stats[key] for key in (
-                "cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision",
-                "stall_ms")}}
+    return {"ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot), "tokens": tokens,
+            "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
+            "sim_seconds": seconds, "peak_expert_bytes": stats["cache_bytes"],
+            **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
+                                           "prefetched", "prefetch_precision", "stall_ms")}}
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"p50": None, "p95": None, "mean": None}
+    return {"p50": float(np.percentile(values, 50)), "p95": float(np.percentile(values, 95)),
+            "mean": statistics.fmean(values)}

@@ -75,8 +75,8 @@ class DecodePrefetch:
                                                                            if self.next_gate else ()), depth=t - l)
                                   for t in targets])  # D x B x E
             top = scores.topk(self.k, dim=2)  # D x B x k
-            if top.indices.device.type == "cpu":  # the CPU playing the GPU
-                return top.indices.numpy(), top.values.numpy(), None
+            if top.indices.device.type == "cpu":  # the CPU playing the GPU (a simulator's clocks give an event)
+                return top.indices.numpy(), top.values.numpy(), self.streams.record(stream)
             shape = tuple(top.indices.shape)
             if shape not in self._host_top:  # reused: no pinned allocation per call
                 self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=True),

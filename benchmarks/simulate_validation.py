@@ -1,0 +1,96 @@
+"""The offload simulator against the engine measured on the H200: every run of the benches that
+benchmarks/simulate_h200.sh made, replayed through ``duoserve.bench.simulate`` on the H200 profile of its
+shape (same policy, predictor, cache budget, batch, prompt, tokens and routing source; a random draw is not
+the same draw, a replayed trace is the same rows), and simulated TTFT and time per output token set beside
+the measured ones. Needs no GPU.
+
+    python benchmarks/simulate_validation.py --out benchmarks/results/simulate_validation_h200.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from duoserve.bench.drivers import RandomRouting, ReplayRouting
+from duoserve.bench.results import parser, write_result
+from duoserve.bench.simulate import Costs, ModelShape, Simulator, bench_passes, resolve_profile, run
+from duoserve.runtime.policies import POLICIES
+from duoserve.runtime.settings import EngineSettings
+
+RESULTS = Path(__file__).parent / "results"
+TOLERANCE = 0.10
+# bench file -> (model shape, its profile, the trace it replayed: where simulate_h200.sh found it)
+BENCHES = {
+    "simulate_bench_qwen3-30b-a3b_h200.json": ("qwen3-30b-a3b", "h200-qwen3-30b-a3b", None),
+    "simulate_bench_qwen3-30b-a3b_2gb_h200.json": ("qwen3-30b-a3b", "h200-qwen3-30b-a3b", None),
+    "simulate_bench_embedded_h200.json": ("embedded", "h200-embedded", "out/traces"),
+}
+
+
+def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: str | None) -> dict:
+    """One bench run simulated: its warm-up and timed generation on a fresh engine, as the bench ran them."""
+    settings = EngineSettings(gpu_expert_budget=bench["gpu_expert_budget"], lookahead=bench["lookahead"],
+                              prefetch_min_score=bench["prefetch_min_score"])
+    L, E, k = shape.num_layers, shape.num_experts, shape.top_k
+    routing = ReplayRouting(trace, L, E, k) if trace else RandomRouting(L, E, k, seed=0)
+    predictor = r["predictor"] or "none"
+    sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings)
+    return run(sim, bench_passes(routing, r["batch_size"], r["prompt_len"], r["new_tokens"]))
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser(__doc__, geometry=None)
+    p.add_argument("--results", type=Path, default=RESULTS, help="where the bench files are")
+    args = p.parse_args(argv)
+    rows = []
+    for name, (spec, profile_name, trace) in BENCHES.items():
+        path = args.results / name
+        if not path.exists():
+            print(f"skipping {name}: not found", file=sys.stderr)
+            continue
+        bench = json.loads(path.read_text())
+        profile = resolve_profile(profile_name)
+        shape = ModelShape.of(spec, bench["geometry"]["moe_layers"] if spec in ("qwen3-30b-a3b",) else None)
+        shape.check(profile)
+        costs = Costs(profile)
+        rounds: dict[tuple, list[dict]] = {}  # a bench of several rounds: the median of each point's rounds
+        for r in bench["runs"]:
+            rounds.setdefault((r["policy"], r["predictor"], r["batch_size"], r["prompt_len"]), []).append(r)
+        for runs in rounds.values():
+            r = runs[0]
+            simulated = simulate_run(bench, r, shape, costs, trace)
+            measured = {"ttft_ms": statistics.median(x["ttft_s"] for x in runs) * 1e3,
+                        "tpot_ms": statistics.median(x["tpot_ms"] for x in runs)}
+            sim = {"ttft_ms": simulated["ttft_ms"]["mean"], "tpot_ms": simulated["tpot_ms"]["mean"]}
+            ratio = {key: sim[key] / measured[key] for key in measured}
+            rows.append({"bench": name, "rounds": len(runs), "policy": r["policy"], "predictor": r["predictor"],
+                         "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
+                         "simulated": sim, "ratio": ratio,
+                         "within": all(abs(v - 1) <= TOLERANCE for v in ratio.values()),
+                         "bytes_h2d": {"measured": r["bytes_h2d"], "simulated": simulated["bytes_h2d"]},
+                         "hit_rate": {"measured": r["hit_rate"], "simulated": simulated["hit_rate"]}})
+    table = Table(title=f"simulated / measured on the H200 (within {TOLERANCE:.0%})")
+    for col in ("bench", "policy", "predictor", "B", "TTFT ms", "sim", "ratio", "TPOT ms", "sim", "ratio", "ok"):
+        table.add_column(col)
+    for row in rows:
+        m, s, q = row["measured"], row["simulated"], row["ratio"]
+        table.add_row(row["bench"].removeprefix("simulate_bench_").removesuffix("_h200.json"), row["policy"],
+                      str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
+                      f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
+                      f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no")
+    Console().print(table)
+    held = sum(row["within"] for row in rows)
+    print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}")
+    result = {"tolerance": TOLERANCE, "rows": rows, "held": held}
+    write_result(args.out, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()
