@@ -36,6 +36,7 @@ def cpu_profile(shape: ModelShape) -> dict:
             "expert_ms": [{"experts": g, "tokens": t, "ms": 0.01 + 0.002 * g * t} for g in (1, shape.top_k)
                           for t in (1, 64)],
             "call_host_us": [{"phase": p, "tokens": t, "us": 50.0 + t} for p in ("decode", "prefill") for t in (1, 64)],
+            "fetch_host_us": [{"slots": 8, "us": 10.0}, {"slots": 128, "us": 15.0}], "group_host_us": 40.0,
             "layer_ms": grid, "step_ms": grid}
 
 
@@ -140,7 +141,7 @@ def test_simulated_times_follow_the_profile(embedded):
     profile = cpu_profile(shape)
     slow = json.loads(json.dumps(profile))
     for row in slow["copy"]:
-        row["pinned_gbps"] /= 10
+        row["pinned_gbps"] /= 1000  # copies of the tiny model's experts then outlast its layers
     results = {}
     for name, p in (("fast", profile), ("slow", slow)):
         sim = Simulator(shape, Costs(p), POLICIES["on-demand"])

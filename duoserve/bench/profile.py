@@ -15,7 +15,11 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 experts with T tokens each, replayed from a CUDA graph where one can be captured (so no host time
                 is in it); on the CPU, its wall time
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
-                grouped, the cache looked up, the compute queued), by phase and tokens
+                grouped, the cache looked up, one compute group queued), by phase and tokens
+  fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
+                books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
+                heap-ranked one
+  group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for
   dequant_ms    dequantizing one expert on the device, by stored expert dtype
@@ -30,7 +34,6 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 import time
@@ -59,7 +62,7 @@ from duoserve.runtime.streams import Streams
 
 PROFILE_VERSION = 2
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
-                  "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
+                  "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
 
 
@@ -165,19 +168,21 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
     return rows
 
 
-def _call_host_us(model, s: ProfileSettings, device: torch.device, calls: int = 20) -> list[dict]:
-    """Host microseconds of one engine layer call with every expert cached, by phase and tokens: the device is
-    idle when it starts (its routing read waits for nothing) and is not waited for at its end."""
+def _engine_host_us(model, s: ProfileSettings, device: torch.device, calls: int = 20) -> dict:
+    """Host microseconds of the engine's layer calls (the device idle when one starts, not waited for at its end):
+    ``call``: a call whose experts are all cached (one compute group), by phase and tokens; ``fetch``: what each
+    expert fetched on a miss adds, by cache size (a scanned cache and a heap-ranked one, ``cache.py``); ``group``:
+    what each compute group beyond a call's first adds (the prefill schedule's groups)."""
     layers = find_moe_layers(model)
     stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
     model.to(device)
     g = moe_geometry(model, layers)
     L, E, k = len(layers), g.num_experts, g.top_k
     H, dtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
-    budget = EngineSettings(gpu_expert_budget=L * E * stores[0].layout.nbytes)
+    nbytes = stores[0].layout.nbytes
     rng = np.random.default_rng(0)
 
-    def call(l: int, phase: str, ids: np.ndarray) -> float:
+    def call(engine, l: int, phase: str, ids: np.ndarray) -> float:
         T = len(ids)
         hidden = torch.randn(T, H, dtype=dtype, device=device)  # T x H
         weights = torch.full((T, k), 1.0 / k, dtype=dtype, device=device)  # T x k
@@ -188,15 +193,37 @@ def _call_host_us(model, s: ProfileSettings, device: torch.device, calls: int = 
         engine.run_layer(l, hidden, idx, weights)
         return (time.perf_counter() - start) * 1e6
 
-    rows = []
-    with torch.no_grad(), OffloadEngine(model, stores, POLICIES["lru"], settings=budget) as engine:
-        every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
+    def engine(slots: int) -> OffloadEngine:
+        return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(gpu_expert_budget=slots * nbytes))
+
+    every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
+    rows, hit_us = [], {}
+    with torch.no_grad(), engine(L * E) as cached:
         for l in range(L):
-            call(l, "prefill", every)  # every expert of every layer cached from here on
-        for phase, tokens in [("decode", B) for B in s.batch_sizes] + [("prefill", T) for T in s.tokens]:
-            times = [call(0, phase, random_ids(rng, tokens, 1, E, k)[:, 0]) for _ in range(calls + 2)]
-            rows.append({"phase": phase, "tokens": tokens, "us": statistics.median(times[2:])})
-    return rows
+            call(cached, l, "prefill", every)  # every expert of every layer cached from here on
+        for phase, tokens in [("decode", B) for B in s.batch_sizes] + [("prefill", T) for T in s.tokens] + \
+                [("prefill", len(every))]:
+            times = [call(cached, 0, phase, random_ids(rng, tokens, 1, E, k)[:, 0]) for _ in range(calls + 2)]
+            hit_us[phase, tokens] = statistics.median(times[2:])
+    rows = [{"phase": phase, "tokens": T, "us": us} for (phase, T), us in hit_us.items() if (phase, T) !=
+            ("prefill", len(every)) or T in s.tokens]
+
+    def misses(slots: int, tokens_of: Callable[[int], np.ndarray], phase: str) -> float:
+        """Median host time of calls that find none of their experts cached: successive calls cycle through the
+        layers and through disjoint sets of experts, more than the cache holds."""
+        with torch.no_grad(), engine(slots) as e:
+            times = [call(e, i % L, phase, tokens_of(i // L)) for i in range(calls + 2 * L)]
+        return statistics.median(times[2 * L:])
+
+    fetch = []
+    for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
+        miss_us = misses(slots, lambda i: (np.arange(k) + (i * k) % E)[None] % E, "decode")
+        fetch.append({"slots": slots, "us": max(miss_us - hit_us["decode", 1], 0.0) / k})
+    # one prefill call of every expert, none cached, through a cache of 2k slots: E misses in E/k groups of k
+    prefill_us = misses(2 * k, lambda i: every, "prefill")
+    groups = len(every)
+    extra = prefill_us - hit_us["prefill", len(every)] - E * fetch[0]["us"]
+    return {"call": rows, "fetch": fetch, "group": max(extra, 0.0) / max(groups - 1, 1)}
 
 
 def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) -> dict:
@@ -217,7 +244,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     say("host cost of queueing a copy")
     host_us = _copy_host_us(store, device)
     say("a per-module fetch")
-    module_ms = _module_copy_ms(params, device, s.repeats)
+    module_ms = _module_copy_ms(layers, device, s.repeats)
     say("a predictor's decode call")
     predictor_ms = _predictor_ms(full.num_layers, full.num_experts, full.top_k, s, device)
 
@@ -245,14 +272,15 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
         step_ms.append({"batch": one["batch"], "context": one["context"],
                         **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
 
-    say("host cost of an engine call")
-    call_host_us = _call_host_us(model, s, device)
+    say("host cost of the engine's calls")
+    engine_us = _engine_host_us(model, s, device)
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
                          "hidden_size": H, "expert_bytes": nbytes},
             "copy": copy, "copy_host_us": host_us, "module_copy_ms": module_ms, "expert_ms": expert_ms,
-            "call_host_us": call_host_us, "predictor_ms": predictor_ms,
+            "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
+            "group_host_us": engine_us["group"], "predictor_ms": predictor_ms,
             "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms}
 
 
@@ -297,16 +325,18 @@ def _kernel_ms(fn: Callable[[], None]) -> float:
     return sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
 
 
-def _module_copy_ms(params: dict[str, torch.Tensor], device: torch.device, repeats: int) -> float:
+def _module_copy_ms(layers: list, device: torch.device, repeats: int) -> float:
     """One expert fetched from pageable per-module parameters (a blocking copy per parameter), over distinct
-    experts."""
-    store = HostExperts.as_modules(params)
+    experts of every layer built, in random order (the per-module policies' fetch, from memory not in cache)."""
+    stores = [HostExperts.as_modules({n: p.detach() for n, p in expert_params(layer.experts).items()})
+              for layer in layers]
     streams = Streams(device)
-    slot = torch.empty(store.layout.numel, dtype=store.layout.dtype, device=device)  # P
-    E = len(next(iter(params.values())))
-    experts = itertools.count()
-    return _median_ms(lambda: store._copy_one(next(experts) % E, slot, streams, streams.compute), device,
-                      max(repeats, 8))
+    slot = torch.empty(stores[0].layout.numel, dtype=stores[0].layout.dtype, device=device)  # P
+    E = len(next(iter(stores[0].modules.values())))
+    order = iter(np.random.default_rng(0).permutation(len(stores) * E).tolist() * 2)
+    ms = _median_ms(lambda: (key := next(order), stores[key // E]._copy_one(key % E, slot, streams,
+                                                                           streams.compute)), device, max(repeats, 16))
+    return ms
 
 
 def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.device) -> list[dict]:

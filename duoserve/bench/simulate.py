@@ -114,6 +114,8 @@ class Costs:
                            for phase in ("prefill", "decode")}
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
         self.module_copy_ms = profile["module_copy_ms"]
+        self._fetch_host = [(math.log2(r["slots"]), r["us"] / 1e3) for r in profile["fetch_host_us"]]
+        self.group_host_ms = profile["group_host_us"] / 1e3
         self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
                            for r in profile["predictor_ms"]]
 
@@ -123,6 +125,11 @@ class Costs:
         points = self._copy["pinned" if pinned else "pageable"]
         size = min(max(math.log2(max(nbytes, 1)), points[0][0]), points[-1][0])
         return nbytes / (_interp(points, size) * 1e9) * 1e3
+
+    def fetch_host_ms(self, slots: int) -> float:
+        """Host time each expert fetched on a miss adds, in a cache of ``slots`` (between the sizes measured)."""
+        points = self._fetch_host
+        return _interp(points, min(max(math.log2(slots), points[0][0]), points[-1][0]))
 
     def group_ms(self, counts: Iterable[int]) -> float:
         """Compute-stream time of one group of experts with ``counts`` tokens each."""
@@ -222,6 +229,7 @@ class SimStore:
 
     def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
         self.layout, self.costs, self.fmt = layout, costs, check_expert_dtype(fmt)
+        self.host_ms = costs.copy_host_ms  # per expert fetched; the simulator sets its cache's fetch cost
         self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
         self.modules = None if packed else {}
         self.dequantizes = fmt != "model"
@@ -236,7 +244,7 @@ class SimStore:
                 streams.run(stream, costs.module_copy_ms, copy=True)
                 streams.block(stream)
                 continue
-            streams.host += costs.copy_host_ms
+            streams.host += self.host_ms
             streams.run(stream, costs.copy_ms(self.row_bytes), copy=True)
             if self.dequantizes:
                 streams.wait(streams.dequant, streams.record(stream))
@@ -250,6 +258,7 @@ class SimCompute:
 
     def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
         self.cache, self.streams, self.costs = cache, streams, costs
+        self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
 
     def _counts(self, rows: np.ndarray) -> list[int]:
         n = (len(rows) - self.cache.slots) // 3
@@ -262,6 +271,9 @@ class SimCompute:
         return self._counts(routing.rows(slots, self.cache.slots))
 
     def _run(self, counts: list[int], slots: dict[int, int]) -> None:
+        if self.groups:
+            self.streams.host += self.costs.group_host_ms
+        self.groups += 1
         self.streams.run(self.streams.compute, self.costs.group_ms(counts))
         self.cache.release(list(slots.values()))
 
@@ -378,6 +390,8 @@ class Simulator:
         self.scheduler = ExpertScheduler((L, E, k), stores, policy, settings, self.streams,
                                          lambda cache, streams, timers: SimCompute(cache, streams, timers, costs),
                                          deployed, next_gate)
+        for store in stores:
+            store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
 
     def _next_gate_of(self, target: int, width: int, with_scores: bool):
         """What the engine's next-gate function gives for ``target``: the replayed pass's B x m ids (and scores)."""
@@ -408,6 +422,7 @@ class Simulator:
             s.launch(wall, device)
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += host_ms
+            sched.compute.groups = 0
             sched.run_layer(l, hidden, idx[l], weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
         s.block(s.compute)  # the next token is read
@@ -513,13 +528,14 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     ttft, tpot, tokens, warm = [], [], 0, False
     started = time.perf_counter()
     for index, p in passes:
+        if index >= 0 and warm:  # the timed generation starts on an idle device, its counters from zero
+            sim.streams.synchronize()
+            sim.reset_stats()
+            warm = False
         ms = sim.forward(p)
         if index < 0:
             warm = True
             continue
-        if warm:
-            sim.reset_stats()
-            warm = False
         (ttft if p.phase == "prefill" else tpot).append(ms)
         tokens += p.ids.shape[1]
     stats = sim.stats()
