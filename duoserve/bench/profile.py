@@ -168,7 +168,7 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
     return rows
 
 
-def _engine_host_us(model, s: ProfileSettings, device: torch.device, calls: int = 20) -> dict:
+def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: float, calls: int = 20) -> dict:
     """Host microseconds of the engine's layer calls (the device idle when one starts, not waited for at its end):
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens; ``fetch``: what each
     expert fetched on a miss adds, by cache size (a scanned cache and a heap-ranked one, ``cache.py``); ``group``:
@@ -218,7 +218,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, calls: int 
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
         miss_us = misses(slots, lambda i: (np.arange(k) + (i * k) % E)[None] % E, "decode")
-        fetch.append({"slots": slots, "us": max(miss_us - hit_us["decode", 1], 0.0) / k})
+        # at least the copy's own queueing: on a small model the difference is within the noise of two medians
+        fetch.append({"slots": slots, "us": max((miss_us - hit_us["decode", 1]) / k, copy_us)})
     # one prefill call of every expert, none cached, through a cache of 2k slots: E misses in E/k groups of k
     prefill_us = misses(2 * k, lambda i: every, "prefill")
     groups = len(every)
@@ -273,7 +274,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
                         **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
 
     say("host cost of the engine's calls")
-    engine_us = _engine_host_us(model, s, device)
+    engine_us = _engine_host_us(model, s, device, host_us)
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,

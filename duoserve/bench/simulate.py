@@ -114,7 +114,8 @@ class Costs:
                            for phase in ("prefill", "decode")}
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
         self.module_copy_ms = profile["module_copy_ms"]
-        self._fetch_host = [(math.log2(r["slots"]), r["us"] / 1e3) for r in profile["fetch_host_us"]]
+        self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
+                            for r in profile["fetch_host_us"]]
         self.group_host_ms = profile["group_host_us"] / 1e3
         self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
                            for r in profile["predictor_ms"]]
