@@ -8,7 +8,8 @@
 #      (oracle:0.9) and lru at a 2 GB cache; B = 1 and 8, prompt 512, 32 new tokens
 #      -> benchmarks/results/simulate_bench_qwen3-30b-a3b{,_2gb}_h200.json
 #   3. the embedded model on its own trace replayed with the predictor trained on it (make demo's out/traces and
-#      out/predictor, carried): duoserve (trained, none), on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens,
+#      out/predictor, carried), in bf16 as its profile: duoserve (trained, none), on-demand, lru; B = 1 and 8,
+#      prompt 64, 16 new tokens,
 #      three rounds (a tiny model's times are host noise) -> benchmarks/results/simulate_bench_embedded_h200.json
 # Then, on any machine: python benchmarks/simulate_validation.py (simulated against measured, the 10% table).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
@@ -37,7 +38,8 @@ if [ "$part" = all ] || [ "$part" = qwen ]; then
         --out "$OUT/simulate_bench_qwen3-30b-a3b_2gb_h200.json"
 fi
 if [ "$part" = all ] || [ "$part" = embedded ]; then
-    run bench --model embedded --routing "$TRACE" --predictor "$PREDICTOR" --predictor none --policy duoserve \
+    run bench --model embedded --dtype bfloat16 --routing "$TRACE" --predictor "$PREDICTOR" --predictor none \
+        --policy duoserve \
         --policy on-demand --policy lru --batch-size 1 --batch-size 8 --prompt-len 64 --new-tokens 16 --repeats 3 \
         --out "$OUT/simulate_bench_embedded_h200.json"
 fi

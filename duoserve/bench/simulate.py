@@ -29,6 +29,7 @@ it), and padding: a batch's prompts are one pass of all their tokens, at the lon
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import tempfile
@@ -55,6 +56,7 @@ from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import RoutingSource
 from duoserve.runtime.store import ExpertLayout, expert_params
+from duoserve.runtime.streams import NullTimers
 
 
 PROFILES = Path(__file__).parent / "profiles"  # the device profiles shipped with the package
@@ -91,10 +93,13 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 
 
 class Costs:
-    """A device profile's costs in milliseconds, interpolated between what it measured."""
+    """A device profile's costs in milliseconds, interpolated between what it measured (each look-up memoised: a
+    simulation asks the same few questions millions of times)."""
 
     def __init__(self, profile: dict):
         self.profile = profile
+        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "pass_ms", "predictor_ms", "fetch_host_ms"):
+            setattr(self, name, functools.cache(getattr(self, name)))
         self.expert_bytes = profile["geometry"]["expert_bytes"]
         self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
                       for kind in ("pinned", "pageable")}
@@ -132,9 +137,12 @@ class Costs:
         points = self._fetch_host
         return _interp(points, min(max(math.log2(slots), points[0][0]), points[-1][0]))
 
+    def per_expert_ms(self, tokens: int) -> float:
+        return _interp(self._per_expert, tokens)
+
     def group_ms(self, counts: Iterable[int]) -> float:
         """Compute-stream time of one group of experts with ``counts`` tokens each."""
-        return self._base + sum(_interp(self._per_expert, c) for c in counts)
+        return self._base + sum(map(self.per_expert_ms, counts))
 
     def call_host_ms(self, phase: str, tokens: int) -> float:
         points = self._call_host[phase] or self._call_host["prefill"]
@@ -318,7 +326,8 @@ class ModelShape:
         theirs = (g["experts"], g["top_k"], g["expert_bytes"])
         if ours != theirs:
             raise ValueError(f"the profile was measured for E, k, expert bytes = {theirs} ({profile.get('model')}); "
-                             f"shape {self.name} has {ours}: profile it with duoserve-run profile --model {self.name}")
+                             f"shape {self.name} has {ours} (in {self.layout.dtype}): profile it in that dtype with "
+                             f"duoserve-run profile --model {self.name} --dtype ...")
 
 
 class Pass(NamedTuple):
@@ -390,7 +399,7 @@ class Simulator:
                                           for t in range(1, L)]
         self.scheduler = ExpertScheduler((L, E, k), stores, policy, settings, self.streams,
                                          lambda cache, streams, timers: SimCompute(cache, streams, timers, costs),
-                                         deployed, next_gate)
+                                         deployed, next_gate, NullTimers())
         for store in stores:
             store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
 
@@ -524,9 +533,9 @@ def trace_passes(requests: list[Request], batch: int) -> Iterator[tuple[int, Pas
 
 def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     """Simulate ``passes`` ((batch index, pass) pairs; a negative index: a warm-up pass, simulated but neither timed
-    nor counted); TTFT per batch, time per output token per decode step (P50, P95, mean), tokens, token-layers, the
-    engine's counters and the simulator's own seconds."""
-    ttft, tpot, tokens, warm = [], [], 0, False
+    nor counted); TTFT per batch, time per output token per decode step (P50, P95, mean), (prompt tokens, TTFT) of
+    each prefill, tokens, token-layers, the engine's counters and the simulator's own seconds."""
+    ttft, tpot, tokens, warm, prompts = [], [], 0, False, []
     started = time.perf_counter()
     for index, p in passes:
         if index >= 0 and warm:  # the timed generation starts on an idle device, its counters from zero
@@ -538,12 +547,14 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
             warm = True
             continue
         (ttft if p.phase == "prefill" else tpot).append(ms)
+        if p.phase == "prefill":
+            prompts.append((p.ids.shape[1], ms))
         tokens += p.ids.shape[1]
     stats = sim.stats()
     seconds = time.perf_counter() - started
     return {"ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot), "tokens": tokens,
             "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
-            "sim_seconds": seconds, "peak_expert_bytes": stats["cache_bytes"],
+            "sim_seconds": seconds, "peak_expert_bytes": stats["cache_bytes"], "prefill_points": prompts,
             **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
                                            "prefetched", "prefetch_precision", "stall_ms")}}
 

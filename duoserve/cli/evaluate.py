@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import console, int_list, new_app, progress, table, user_errors
+from duoserve.cli.common import BudgetOption, console, gb, int_list, new_app, num, progress, table, user_errors
 from duoserve.evaluate.accuracy import BASELINES
 from duoserve.files import check_output
 
@@ -113,3 +113,66 @@ def health(trace: Annotated[Path, typer.Argument(help="Trace folder.")]) -> None
 
 if __name__ == "__main__":
     app()
+
+
+@app.command()
+def simulate(
+    profile: Annotated[str, typer.Option(
+        help="Device profile: a file from duoserve-run profile, or a shipped one (h200-qwen3-30b-a3b, "
+             "h200-embedded).")],
+    model_shape: Annotated[str, typer.Option(
+        help="The model: qwen3-30b-a3b, mixtral-8x7b, embedded, or a config (hub id, local path).")],
+    traces: Annotated[Optional[Path], typer.Option(
+        help="Trace folder to replay request by request. [default: uniform random routing]")] = None,
+    predictor: Annotated[Optional[list[str]], typer.Option(
+        help="Repeatable, for the predicting policies: none, oracle[:RECALL] or an artifact folder (its real "
+             "predictions on the replayed tokens). [default: none, oracle]")] = None,
+    policy: Annotated[Optional[list[str]], typer.Option(
+        help="Repeatable: duoserve, on-demand, lru, full-layer, per-module. [default: duoserve, on-demand, lru]")]
+    = None,
+    batch_size: Annotated[Optional[list[int]], typer.Option(
+        min=1, help="Repeatable: consecutive requests served together. [default: 1]")] = None,
+    gpu_expert_budget: BudgetOption = None,
+    lookahead: Annotated[int, typer.Option(min=1, help="Decode prefetch depth d (layers ahead).")] = 1,
+    expert_dtype: Annotated[str, typer.Option(help="Host experts stored as model, fp8 or int4.")] = "model",
+    layers: Annotated[Optional[int], typer.Option(min=2, help="Keep this many decoder layers of the shape.")] = None,
+    dtype: Annotated[str, typer.Option(help="The model's dtype (the profile's: bfloat16 on a GPU).")] = "bfloat16",
+    requests: Annotated[Optional[int], typer.Option(
+        min=1, help="Only the trace's first N requests (random routing: N generations). [default: all; 4]")] = None,
+    prompt_len: Annotated[int, typer.Option(min=1, help="Random routing: prompt tokens.")] = 512,
+    new_tokens: Annotated[int, typer.Option(min=2, help="Random routing: tokens generated.")] = 32,
+    charts: Annotated[bool, typer.Option(
+        help="Also run the sweeps of the charts (accuracy, cache budget, look-ahead, batch) and draw them.")] = True,
+    out: Annotated[Path, typer.Option(help="Folder: simulate.json and the charts (PNG).")] = Path("sim"),
+) -> None:
+    """What each policy and predictor buys on a device: replays traces (or random routing) through the runtime's
+    own schedule on a device profile's costs; TTFT, time per token, bytes moved, stalls, hit rate, peak expert
+    memory."""
+    from duoserve.bench.whatif import SimulateSettings, simulate as run_simulation
+    from duoserve.files import write_json
+    from duoserve.runtime.settings import parse_bytes
+
+    with user_errors():
+        check_output(out, folder=True)
+        s = SimulateSettings(model_shape=model_shape, profile=profile, traces=traces, layers=layers, dtype=dtype,
+                             policies=policy or ["duoserve", "on-demand", "lru"],
+                             predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
+                             gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
+                             lookahead=lookahead, expert_dtype=expert_dtype, requests=requests,
+                             prompt_len=prompt_len, new_tokens=new_tokens)
+        with progress("simulating") as update:
+            result = run_simulation(s, out if charts else None,
+                                    lambda done, total, what: update(completed=done, total=total, description=what))
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "simulate.json", result)
+    summary = table(f"{model_shape} ({result['layers']} MoE layers) on {result['device']}, simulated: "
+                    f"{result['routing']}", "policy", "predictor", "B", "TTFT P50 ms", "TTFT P95", "TPOT P50 ms",
+                    "TPOT P95", "GB moved", "decode hits", "stall ms", "expert GB")
+    for r in result["rows"]:
+        summary.add_row(r["policy"], r["predictor"] or "-", str(r["batch_size"]), num(r["ttft_ms"]["p50"], ".1f"),
+                        num(r["ttft_ms"]["p95"], ".1f"), num(r["tpot_ms"]["p50"], ".2f"),
+                        num(r["tpot_ms"]["p95"], ".2f"), gb(sum(r["bytes_h2d"].values())),
+                        num(r["hit_rate"]["decode"], ".3f"), num(r["stall_ms"], ".0f"), gb(r["peak_expert_bytes"]))
+    console.print(summary)
+    console.print(f"results: {out / 'simulate.json'}"
+                  + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))

@@ -61,13 +61,15 @@ class ExpertScheduler:
     makes what computes the experts from the cache's slots (``experts.SlotCompute`` or a simulator's stand-in).
     ``predictor``: a deployed ``LayerPredictor`` or a ``HostPredictor`` (decode prefetch; policies that predict
     only), with ``next_gate``, per target layer, what gives its next-gate features from a hidden state (or None).
-    ``settings``: the cache budget, look-ahead, pins and prefetch threshold.
+    ``settings``: the cache budget, look-ahead, pins and prefetch threshold. ``timers``: what times its host
+    sections and device stalls (default: ``EngineTimers``; a simulator, which keeps its own clocks, gives
+    ``NullTimers``).
     """
 
     def __init__(self, geometry: tuple[int, int, int], stores: list[HostExperts], policy: Policy,
                  settings: EngineSettings, streams: Streams, compute: Callable,
                  predictor: LayerPredictor | HostPredictor | None = None,
-                 next_gate: list[Callable | None] | None = None):
+                 next_gate: list[Callable | None] | None = None, timers: EngineTimers | None = None):
         self.L, self.E, self.k = geometry
         if len(stores) != self.L:
             raise ValueError(f"{len(stores)} expert stores for {self.L} MoE layers")
@@ -83,7 +85,7 @@ class ExpertScheduler:
                              f"depth {depth} (duoserve-train fit --lookahead {settings.lookahead})")
         self.policy, self.settings, self.stores, self.streams = policy, settings, stores, streams
         self.phase, self.batch = "prefill", 0
-        self.timers = EngineTimers(streams)
+        self.timers = timers or EngineTimers(streams)
         self.cache = ExpertCache(stores[0].layout, self._capacity(), streams)
         if settings.pin:
             self._pin(settings.pin)

@@ -174,3 +174,34 @@ class EngineTimers:
 
     def reset(self) -> None:
         self.stall, self.predict, self.cpu = SpanTimer(self.streams), SpanTimer(self.streams), CpuSections()
+
+
+class _Nothing:
+    """A context that does nothing, and a section timer's and a span timer's interface that time nothing."""
+
+    ms: dict[str, float] = {}
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def __call__(self, name: str = "") -> _Nothing:
+        return self
+
+    def span(self, stream=None) -> _Nothing:
+        return self
+
+    def total_ms(self) -> float:
+        return 0.0
+
+
+class NullTimers:
+    """``EngineTimers`` that time nothing, for callers that keep their own clocks (the offload simulator): the hot
+    path then pays no timer."""
+
+    stall = predict = cpu = _Nothing()
+
+    def reset(self) -> None:
+        return None

@@ -1,0 +1,223 @@
+"""What a predictor buys on a given GPU (``duoserve-eval simulate``): the simulator over policies, predictors and
+batch sizes, and the charts of the paper's figures (latency against accuracy, cache budget, look-ahead, prompt
+length and batch size).
+
+Shape legend: B sequences, L MoE layers, E experts, k top-k, d look-ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from duoserve.bench.drivers import RandomRouting
+from duoserve.bench.simulate import (Costs, ModelShape, Simulator, generation_passes, resolve_profile, run,
+                                     trace_passes, trace_requests)
+from duoserve.files import atomic_path
+from duoserve.runtime.policies import get_policy
+from duoserve.runtime.settings import EngineSettings
+
+ORACLE_CURVE = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)  # recalls of the latency-versus-accuracy chart's oracle
+CHART_BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class SimulateSettings:
+    """One simulation study: a model shape on a device profile, replaying ``traces`` (or uniform random routing of
+    ``requests`` generations of ``prompt_len`` + ``new_tokens``) for each policy x predictor x batch size."""
+
+    model_shape: str
+    profile: str
+    traces: Path | None = None
+    layers: int | None = None  # keep this many decoder layers of the shape
+    dtype: str = "bfloat16"
+    policies: list[str] = field(default_factory=lambda: ["duoserve", "on-demand", "lru"])
+    predictors: list[str] = field(default_factory=lambda: ["none", "oracle"])  # the predicting policies'
+    batch_sizes: list[int] = field(default_factory=lambda: [1])
+    gpu_expert_budget: int | None = None
+    lookahead: int = 1
+    expert_dtype: str = "model"
+    requests: int | None = None  # the trace's first N requests (random routing: N generations, default 4)
+    prompt_len: int = 512
+    new_tokens: int = 32
+    seed: int = 0
+
+    def __post_init__(self):
+        for name in self.policies:
+            get_policy(name)
+        if min(self.batch_sizes) < 1 or (self.requests is not None and self.requests < 1):
+            raise ValueError("batch sizes and the request count must be positive")
+        if self.traces is None and (self.prompt_len < 1 or self.new_tokens < 2):
+            raise ValueError("random routing needs a prompt of at least 1 token and at least 2 new tokens")
+
+
+class Study:
+    """The shape, costs and routing of ``s``, loaded once; ``point`` simulates one configuration."""
+
+    def __init__(self, s: SimulateSettings):
+        self.s = s
+        self.profile = resolve_profile(s.profile)
+        self.shape = ModelShape.of(s.model_shape, s.layers, s.dtype)
+        self.shape.check(self.profile)
+        self.costs = Costs(self.profile)
+        self.requests = trace_requests(s.traces, s.requests) if s.traces is not None else None
+        if self.requests is not None:
+            self._check_trace()
+
+    def _check_trace(self) -> None:
+        r = self.requests[0]
+        L, k = r.prompt.shape[1:] if len(r.prompt) else r.decode.shape[1:]
+        if (L, k) != (self.shape.num_layers, self.shape.top_k):
+            raise ValueError(f"trace {self.s.traces} routes L, k = {(L, k)}; shape {self.shape.name} has "
+                             f"{(self.shape.num_layers, self.shape.top_k)}")
+
+    def passes(self, batch: int) -> Iterator:
+        s = self.s
+        if self.requests is not None:
+            yield from trace_passes(self.requests, batch)
+            return
+        routing = RandomRouting(self.shape.num_layers, self.shape.num_experts, self.shape.top_k, s.seed)
+        for b in range(s.requests or 4):
+            for p in generation_passes(routing, batch, s.prompt_len, s.new_tokens):
+                yield b, p
+
+    def point(self, policy: str, predictor: str, batch: int, budget: int | None = None,
+              lookahead: int | None = None) -> dict:
+        settings = EngineSettings(gpu_expert_budget=budget if budget is not None else self.s.gpu_expert_budget,
+                                  lookahead=lookahead or self.s.lookahead)
+        sim = Simulator(self.shape, self.costs, get_policy(policy), predictor, settings, self.s.expert_dtype,
+                        self.s.seed)
+        result = run(sim, self.passes(batch))
+        return {"policy": policy, "predictor": predictor if get_policy(policy).predict else None,
+                "batch_size": batch, "gpu_expert_budget": settings.gpu_expert_budget,
+                "lookahead": settings.lookahead, **result}
+
+
+def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:
+    return [(p, q, B) for B in s.batch_sizes for p in s.policies
+            for q in (s.predictors if get_policy(p).predict else ["none"])]
+
+
+def simulate(s: SimulateSettings, charts: Path | None = None,
+             on_point: Callable[[int, int, str], None] = lambda done, total, what: None) -> dict:
+    """Every (policy, predictor, batch size) of ``s``; with ``charts``, also the sweeps the charts need, drawn
+    there. ``on_point(done, total, description)`` reports progress."""
+    study = Study(s)
+    grid = _grid(s)
+    sweeps = _sweeps(study) if charts is not None else {}
+    total = len(grid) + sum(len(points) for points in sweeps.values())
+    done = 0
+
+    def measure(policy: str, predictor: str, batch: int, **kw) -> dict:
+        nonlocal done
+        on_point(done, total, f"{policy} {predictor} B={batch} {' '.join(f'{k}={v}' for k, v in kw.items())}")
+        row = study.point(policy, predictor, batch, **kw)
+        done += 1
+        return row
+
+    rows = [measure(*point) for point in grid]
+    result = {"model_shape": s.model_shape, "layers": study.shape.num_layers, "profile": s.profile,
+              "device": study.profile["device"], "traces": str(s.traces) if s.traces else None,
+              "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
+              "expert_dtype": s.expert_dtype, "rows": rows}
+    if charts is not None:
+        result["sweeps"] = {name: [measure(*point, **kw) for point, kw in points] for name, points in sweeps.items()}
+        result["charts"] = draw_charts(result, charts)
+    on_point(total, total, "done")
+    return result
+
+
+def _sweeps(study: Study) -> dict[str, list[tuple[tuple[str, str, int], dict]]]:
+    """The extra points of the charts, at the first batch size: the oracle at several recalls (and every trained
+    predictor asked for), then, with an oracle of recall 0.9 for the predicting policy, cache budgets for the
+    caching policies, look-ahead depths and batch sizes."""
+    s, shape = study.s, study.shape
+    B = s.batch_sizes[0]
+    policies = [p for p in s.policies if get_policy(p).pinned]
+    accuracy = [(("duoserve", f"oracle:{p}", B), {}) for p in ORACLE_CURVE]
+    accuracy += [(("duoserve", q, B), {}) for q in s.predictors if q != "none" and not q.startswith("oracle")]
+    accuracy += [((p, "none", B), {}) for p in policies if not get_policy(p).predict]
+    nbytes = shape.layout.nbytes
+    slots = sorted({m * shape.top_k for m in (2, 4, 8, 16, 32)} | {shape.num_experts, shape.num_layers *
+                                                                    shape.num_experts // 4})
+    caching = [p for p in policies if get_policy(p).reuse and not get_policy(p).prefetch_layer]
+    budget = [((p, "oracle:0.9" if get_policy(p).predict else "none", B), {"budget": n * nbytes})
+              for p in caching for n in slots if n <= shape.num_layers * shape.num_experts]
+    depth = [(("duoserve", "oracle:0.9", B), {"lookahead": d}) for d in range(1, min(4, shape.num_layers))]
+    batch = [((p, "oracle:0.9" if get_policy(p).predict else "none", b), {}) for p in policies
+             for b in CHART_BATCHES]
+    return {"accuracy": accuracy, "budget": budget, "lookahead": depth, "batch": batch}
+
+
+def draw_charts(result: dict, folder: Path) -> list[str]:
+    """The PNG charts of a simulation with sweeps, written into ``folder``; their file names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder.mkdir(parents=True, exist_ok=True)
+    sweeps, title = result["sweeps"], f"{result['model_shape']} on {result['device']} (simulated)"
+    written = []
+
+    def save(fig, name: str) -> None:
+        with atomic_path(folder / name) as tmp:
+            fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+        plt.close(fig)
+        written.append(name)
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    oracle = [r for r in sweeps["accuracy"] if (r["predictor"] or "").startswith("oracle")]
+    ax.plot([_recall(r) for r in oracle], [r["tpot_ms"]["p50"] for r in oracle], "o-", label="duoserve, oracle")
+    for r in sweeps["accuracy"]:
+        if r["predictor"] and not r["predictor"].startswith("oracle"):
+            ax.plot(_recall(r), r["tpot_ms"]["p50"], "s", label=f"duoserve, {Path(r['predictor']).name}")
+        elif r["predictor"] is None:
+            ax.axhline(r["tpot_ms"]["p50"], ls="--", lw=1, color="gray")
+            ax.annotate(r["policy"], (0, r["tpot_ms"]["p50"]), fontsize=8, va="bottom")
+    ax.set(xlabel="prefetch precision (share of copies made ahead that the layer used)",
+           ylabel="time per output token, P50 (ms)", title=title)
+    ax.legend(fontsize=8)
+    save(fig, "tpot_vs_accuracy.png")
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for policy in sorted({r["policy"] for r in sweeps["budget"]}):
+        points = [r for r in sweeps["budget"] if r["policy"] == policy]
+        gb = [r["peak_expert_bytes"] / 1e9 for r in points]
+        ax1.plot(gb, [r["tpot_ms"]["p50"] for r in points], "o-", label=policy)
+        ax2.plot(gb, [sum(r["bytes_h2d"].values()) / 1e9 for r in points], "o-", label=policy)
+    ax1.set(xscale="log", xlabel="GPU expert cache (GB)", ylabel="time per output token, P50 (ms)", title=title)
+    ax2.set(xscale="log", xlabel="GPU expert cache (GB)", ylabel="bytes moved (GB)")
+    ax1.legend(fontsize=8)
+    save(fig, "tpot_vs_budget.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    points = sweeps["lookahead"]
+    ax.plot([r["lookahead"] for r in points], [r["tpot_ms"]["p50"] for r in points], "o-", label="duoserve, oracle:0.9")
+    ax.set(xlabel="look-ahead depth d (layers)", ylabel="time per output token, P50 (ms)", title=title)
+    ax.legend(fontsize=8)
+    save(fig, "tpot_vs_lookahead.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in result["rows"]:
+        if r["batch_size"] == result["rows"][0]["batch_size"] and r["prefill_points"]:
+            tokens, ms = zip(*r["prefill_points"])
+            ax.plot(tokens, ms, ".", label=f"{r['policy']} {r['predictor'] or ''}".strip())
+    ax.set(xlabel="prompt tokens of the batch", ylabel="TTFT (ms)", title=title)
+    ax.legend(fontsize=8)
+    save(fig, "ttft_vs_prompt.png")
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for policy in sorted({r["policy"] for r in sweeps["batch"]}):
+        points = [r for r in sweeps["batch"] if r["policy"] == policy]
+        ax.plot([r["batch_size"] for r in points], [r["batch_size"] * 1e3 / r["tpot_ms"]["mean"] for r in points],
+                "o-", label=policy)
+    ax.set(xscale="log", xlabel="batch size", ylabel="decode throughput (tokens/s)", title=title)
+    ax.legend(fontsize=8)
+    save(fig, "throughput_vs_batch.png")
+    return written
+
+
+def _recall(row: dict) -> float:
+    return row["prefetch_precision"] if row["prefetch_precision"] is not None else 0.0
