@@ -40,6 +40,8 @@ demo: setup
 	$(VENV)/bin/duoserve-run generate --predictor $(OUT)/predictor --out $(OUT)/generate.json
 	$(VENV)/bin/duoserve-run bench --predictor $(OUT)/predictor --predictor none --policy duoserve \
 	    --policy on-demand --policy lru --policy all-resident --prompt-len 64 --new-tokens 16 --out $(OUT)/bench.json
+	$(VENV)/bin/duoserve-eval simulate --profile h200-embedded --model-shape embedded --traces $(OUT)/traces \
+	    --predictor $(OUT)/predictor --predictor none --requests 40 --out $(OUT)/sim
 
 test: setup-dev
 	$(PY) -m pytest -q

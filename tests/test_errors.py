@@ -51,6 +51,12 @@ CASES = [
     ("run", "generate --predictor {edited_geometry}", "contradicts its feature spec"),
     ("trace", "collect --count 1 --lookahead 50 --out {tmp}/t", "look-ahead 50"),
     ("trace", "collect --count 1 --part-rows 0 --out {tmp}/t", "--part-rows"),
+    ("eval", "simulate --profile {tmp}/no-profile.json --model-shape embedded --out {tmp}/s", "no device profile"),
+    ("eval", "simulate --profile h200-embedded --model-shape qwen3-30b-a3b --out {tmp}/s", "profile it in that"),
+    ("eval", "simulate --profile h200-embedded --model-shape embedded --policy accelerate --no-charts "
+             "--out {tmp}/s", "does not run the engine's schedule"),
+    ("eval", "simulate --profile h200-embedded --model-shape embedded --traces {trace} --predictor oracle:3 "
+             "--no-charts --out {tmp}/s", "oracle:3"),
 ]
 
 

@@ -153,3 +153,36 @@ def test_simulated_times_follow_the_profile(embedded):
                         ((0, p) for p in random_passes(shape, 1, 16, 8)))["stall_ms"] for spec in ("none", "oracle")}
     assert stalls["oracle"] < stalls["none"]
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
+
+
+def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(
+        tmp_path, embedded_trace, embedded_predictor):
+    from typer.testing import CliRunner
+
+    from duoserve.cli.evaluate import app
+
+    out = tmp_path / "sim"
+    result = CliRunner().invoke(app, [
+        "simulate", "--profile", "h200-embedded", "--model-shape", "embedded", "--traces", str(embedded_trace.path),
+        "--predictor", "none", "--predictor", "oracle", "--predictor", str(embedded_predictor), "--batch-size", "1",
+        "--batch-size", "2", "--requests", "4", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    saved = json.loads((out / "simulate.json").read_text())
+    rows = {(r["policy"], r["predictor"], r["batch_size"]): r for r in saved["rows"]}
+    assert len(rows) == 2 * (3 + 2)  # duoserve with three predictors, on-demand and lru; two batch sizes
+    for B in (1, 2):
+        oracle, none = rows["duoserve", "oracle", B], rows["duoserve", "none", B]
+        trained = rows["duoserve", str(embedded_predictor), B]
+        assert oracle["hit_rate"]["decode"] > none["hit_rate"]["decode"]
+        assert trained["prefetched"] > 0 and none["prefetched"] == 0
+        assert oracle["tokens"] == none["tokens"] == rows["lru", None, B]["tokens"]
+    for name in saved["charts"]:
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+    assert {"tpot_vs_accuracy.png", "tpot_vs_budget.png", "tpot_vs_lookahead.png", "ttft_vs_prompt.png",
+            "throughput_vs_batch.png"} == set(saved["charts"])
+    curve = [r for r in saved["sweeps"]["accuracy"] if (r["predictor"] or "").startswith("oracle")]
+    assert curve[0]["prefetch_precision"] < curve[-1]["prefetch_precision"] == 1.0  # recall 0 .. 1
+    budgets = [r for r in saved["sweeps"]["budget"] if r["policy"] == "lru"]
+    assert budgets[0]["peak_expert_bytes"] < budgets[-1]["peak_expert_bytes"]
+    assert sum(budgets[-1]["bytes_h2d"].values()) <= sum(budgets[0]["bytes_h2d"].values())
+    assert "simulated" in result.output and "simulate.json" in result.output  # the summary table, the files
