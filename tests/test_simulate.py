@@ -186,3 +186,24 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     assert budgets[0]["peak_expert_bytes"] < budgets[-1]["peak_expert_bytes"]
     assert sum(budgets[-1]["bytes_h2d"].values()) <= sum(budgets[0]["bytes_h2d"].values())
     assert "simulated" in result.output and "simulate.json" in result.output  # the summary table, the files
+
+
+def test_accuracy_report_ranks_scorers_by_what_they_buy(tmp_path, embedded_trace, embedded_predictor):
+    from typer.testing import CliRunner
+
+    from duoserve.cli.evaluate import app
+
+    out = tmp_path / "report"
+    result = CliRunner().invoke(app, ["accuracy", str(embedded_trace.path), "--predictor", str(embedded_predictor),
+                                      "--baseline", "popularity", "--baseline", "oracle", "--out", str(out),
+                                      "--simulate", "h200-embedded", "--simulate-requests", "3"])
+    assert result.exit_code == 0, result.output
+    buys = json.loads((out / "whatif.json").read_text())
+    rows = {r["scorer"]: r for r in buys["rows"]}
+    assert {"trained MLP", "popularity", "oracle", "(on-demand: no prediction)", "(lru: no prediction)"} == set(rows)
+    assert rows["trained MLP"]["simulated_as"] == str(embedded_predictor)  # the artifact itself, not an oracle
+    assert rows["popularity"]["simulated_as"] == f"oracle:{rows['popularity']['recall']:.4f}"
+    assert rows["oracle"]["decode_hit_rate"] > rows["popularity"]["decode_hit_rate"]
+    assert rows["oracle"]["decode_bytes"] < rows["popularity"]["decode_bytes"]  # a wrong guess costs a copy
+    times = [r["tpot_p50_ms"] for r in buys["rows"]]
+    assert times == sorted(times)  # ranked by latency

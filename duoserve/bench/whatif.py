@@ -36,6 +36,7 @@ class SimulateSettings:
     predictors: list[str] = field(default_factory=lambda: ["none", "oracle"])  # the predicting policies'
     batch_sizes: list[int] = field(default_factory=lambda: [1])
     gpu_expert_budget: int | None = None
+    pin: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys kept resident (the grid's points; not the sweeps')
     lookahead: int = 1
     expert_dtype: str = "model"
     requests: int | None = None  # the trace's first N requests (random routing: N generations, default 4)
@@ -84,8 +85,11 @@ class Study:
 
     def point(self, policy: str, predictor: str, batch: int, budget: int | None = None,
               lookahead: int | None = None) -> dict:
+        """One simulated configuration; ``budget`` or ``lookahead`` given: a sweep's point (no pins)."""
+        sweep = budget is not None or lookahead is not None
+        pin = self.s.pin if not sweep and get_policy(policy).reuse and not get_policy(policy).prefetch_layer else ()
         settings = EngineSettings(gpu_expert_budget=budget if budget is not None else self.s.gpu_expert_budget,
-                                  lookahead=lookahead or self.s.lookahead)
+                                  lookahead=lookahead or self.s.lookahead, pin=pin)
         sim = Simulator(self.shape, self.costs, get_policy(policy), predictor, settings, self.s.expert_dtype,
                         self.s.seed)
         result = run(sim, self.passes(batch))
@@ -221,3 +225,26 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
 
 def _recall(row: dict) -> float:
     return row["prefetch_precision"] if row["prefetch_precision"] is not None else 0.0
+
+
+def what_it_buys(s: SimulateSettings, recalls: dict[str, float], artifact: str | None = None,
+                 trained: str = "trained MLP") -> list[dict]:
+    """Simulated decode latency of each scorer of an accuracy report (``recalls``: its decode recall by name):
+    the ``trained`` one runs as itself (``artifact``); a baseline, which the runtime cannot run, as an oracle of
+    its recall; beside on-demand and lru. Rows best time per token first."""
+    study = Study(s)
+    B = s.batch_sizes[0]
+    rows = []
+    for name, recall in recalls.items():
+        predictor = artifact if name == trained and artifact else f"oracle:{min(max(recall, 0.0), 1.0):.4f}"
+        row = study.point("duoserve", predictor, B)
+        rows.append({"scorer": name, "recall": recall, "simulated_as": predictor, **_latency(row)})
+    for policy in ("on-demand", "lru"):
+        rows.append({"scorer": f"({policy}: no prediction)", "recall": None, "simulated_as": policy,
+                     **_latency(study.point(policy, "none", B))})
+    return sorted(rows, key=lambda r: r["tpot_p50_ms"])
+
+
+def _latency(row: dict) -> dict:
+    return {"tpot_p50_ms": row["tpot_ms"]["p50"], "ttft_p50_ms": row["ttft_ms"]["p50"],
+            "decode_bytes": row["bytes_h2d"]["decode"], "decode_hit_rate": row["hit_rate"]["decode"]}

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import BudgetOption, console, gb, int_list, new_app, num, progress, table, user_errors
+from duoserve.cli.common import (BudgetOption, PinOption, console, gb, int_list, new_app, num, pin_keys, progress,
+                                 table, user_errors)
 from duoserve.evaluate.accuracy import BASELINES
 from duoserve.files import check_output
 
@@ -50,6 +51,13 @@ def accuracy(
     = 3,
     fits_dir: Annotated[Optional[Path], typer.Option(
         help="Keep the extra fits' predictors in this folder. [default: a temporary folder, removed after]")] = None,
+    simulate: Annotated[Optional[str], typer.Option(
+        help="A device profile (a file or a shipped one, e.g. h200-qwen3-30b-a3b): add what each scorer buys, its "
+             "simulated time per token replaying the first traces' requests (duoserve-eval simulate; a baseline "
+             "simulated as an oracle of its recall); writes whatif.json.")] = None,
+    model_shape: Annotated[Optional[str], typer.Option(
+        help="With --simulate: the model shape. [default: the trace's model]")] = None,
+    simulate_requests: Annotated[int, typer.Option(min=1, help="With --simulate: requests replayed.")] = 40,
 ) -> None:
     """Accuracy of PREDICTOR and every baseline on unseen requests; writes report.json, report.md and plots."""
     import tempfile
@@ -72,8 +80,35 @@ def accuracy(
                 report.info["fits"] = str(fits_dir) if fits_dir else "discarded (--fits-dir keeps them)"
             say("writing the report")
             write_report(report, out, report.stats, extra)
+            buys = _what_it_buys(report, traces[0], predictor, simulate, model_shape, simulate_requests, out, say) \
+                if simulate else None
     _print_overall(report)
+    if buys:
+        ranked = table(f"what it buys on {buys['device']}: {buys['model_shape']}, B=1, simulated", "scorer",
+                       "decode recall", "simulated as", "TPOT P50 ms", "decode GB", "decode hits")
+        for r in buys["rows"]:
+            ranked.add_row(r["scorer"], num(r["recall"]), Path(r["simulated_as"]).name, num(r["tpot_p50_ms"], ".2f"),
+                           gb(r["decode_bytes"]), num(r["decode_hit_rate"]))
+        console.print(ranked)
     console.print(f"report: {out / 'report.md'}, {out / 'report.json'}, plots {', '.join(report.info['plots'])}")
+
+
+def _what_it_buys(report, trace: Path, predictor: Path, profile: str, shape: str | None, requests: int, out: Path,
+                  say) -> dict:
+    """The scorers of ``report`` ranked by simulated time per token (``whatif.json`` in the report folder)."""
+    from duoserve.bench.simulate import resolve_profile
+    from duoserve.bench.whatif import SimulateSettings, what_it_buys
+    from duoserve.files import write_json
+    from duoserve.trace.format import open_trace
+
+    say("simulating what each scorer buys")
+    shape = shape or open_trace(trace).meta.model
+    recalls = report.overall("decode")["recall"].to_dict()
+    s = SimulateSettings(model_shape=shape, profile=profile, traces=trace, requests=requests)
+    result = {"model_shape": shape, "profile": profile, "device": resolve_profile(profile)["device"],
+              "traces": str(trace), "requests": requests, "rows": what_it_buys(s, recalls, str(predictor))}
+    write_json(out / "whatif.json", result)
+    return result
 
 
 @app.command()
@@ -133,6 +168,7 @@ def simulate(
     batch_size: Annotated[Optional[list[int]], typer.Option(
         min=1, help="Repeatable: consecutive requests served together. [default: 1]")] = None,
     gpu_expert_budget: BudgetOption = None,
+    pin: PinOption = None,
     lookahead: Annotated[int, typer.Option(min=1, help="Decode prefetch depth d (layers ahead).")] = 1,
     expert_dtype: Annotated[str, typer.Option(help="Host experts stored as model, fp8 or int4.")] = "model",
     layers: Annotated[Optional[int], typer.Option(min=2, help="Keep this many decoder layers of the shape.")] = None,
@@ -158,7 +194,7 @@ def simulate(
                              policies=policy or ["duoserve", "on-demand", "lru"],
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
                              gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
-                             lookahead=lookahead, expert_dtype=expert_dtype, requests=requests,
+                             pin=pin_keys(pin), lookahead=lookahead, expert_dtype=expert_dtype, requests=requests,
                              prompt_len=prompt_len, new_tokens=new_tokens)
         with progress("simulating") as update:
             result = run_simulation(s, out if charts else None,
