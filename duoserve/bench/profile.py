@@ -356,7 +356,8 @@ def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.devi
             start = time.perf_counter()
             call()
             host.append((time.perf_counter() - start) * 1e3)
-        rows.append({"batch": B, "host_ms": statistics.median(host[1:]), "wall_ms": _median_ms(call, device, s.repeats)})
+        rows.append({"batch": B, "host_ms": statistics.median(host[1:]),
+                     "wall_ms": _median_ms(call, device, s.repeats)})
     return rows
 
 

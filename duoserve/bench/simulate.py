@@ -8,23 +8,26 @@ pins, prefill grouping, decode prefetch with the predictor's real predictions, r
 over stand-ins that do no work but advance clocks by a device profile's costs (``profile.py``):
 
   streams   one clock per stream and one for the host; an event is the time its stream's work so far ends, a wait
-            moves a stream's clock to it (the compute stream's waits for copies are its stalls), work queued at
-            host time h on a stream starts no earlier than h
-  stores    an expert copy costs the host ``copy_host_us`` and its stream bytes / bandwidth at that copy's size
-            (pinned; per-module stores: a blocking pageable copy per parameter); a quantized one is then
-            dequantized on the dequant stream
+            moves a stream's clock to it (the compute stream's waits for copies, and copies on it, are its
+            stalls), work queued at host time h on a stream starts no earlier than h
+  stores    a fetched expert costs the host the profile's fetch cost for the cache's size (``fetch_host_us``) and
+            its stream bytes / bandwidth at that copy's size (a per-module store: a blocking pageable fetch,
+            ``module_copy_ms``); a quantized one is then dequantized on the dequant stream
   compute   a group of experts with c_i tokens each costs the compute stream base + sum_i per_expert(c_i),
-            both fitted from the profile's groups of 1 and k experts
+            both fitted from the profile's groups of 1 and k experts, and the host ``group_host_us`` for each
+            group past a call's first
+  predictor a trained one runs on the host for its real predictions; each call costs the profile's predictor
+            call (host time, then device time on the predictor stream, which the prefetch waits for)
 
-and, per forward pass: each decoder layer's non-expert work (``layer_ms``) on the compute stream, the host
-waiting for its router (the engine reads every layer's routing), the engine's host time per layer call
-(``call_host_us``), and the pass's own cost (``step_ms``: embedding, head, sampling), the host waiting for
-its token. So the simulator's hits, copies and bytes are the engine's on the same routing and predictor
-(tested exactly against the engine on the CPU); its times are the profile's model of them (validated against
-the engine on the H200: ``benchmarks/simulate_validation.py``).
+and, per forward pass: each decoder layer's non-expert work, launched by the host over its wall time while its
+kernels run on the compute stream (``layer_ms``), the host waiting for its router (the engine reads every layer's
+routing), the engine's host time per layer call (``call_host_us``), and the pass's own cost (``step_ms``:
+embedding, head, sampling), the host waiting for its token. So the simulator's hits, copies and bytes are the
+engine's on the same routing and predictor (tested exactly against the engine on the CPU); its times are the
+profile's model of them (against the engine on the H200: ``benchmarks/simulate_validation.py``).
 
-Not modelled: a trained predictor's own device time (it runs on its own stream; ``predictor_latency`` measures
-it), and padding: a batch's prompts are one pass of all their tokens, at the longest prompt's context.
+Not modelled: padding (a batch's prompts are one pass of all their tokens, at the longest prompt's context), and
+copy bandwidth under a busy compute stream.
 """
 
 from __future__ import annotations
