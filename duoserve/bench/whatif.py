@@ -157,6 +157,7 @@ def _sweeps(study: Study) -> dict[str, list[tuple[tuple[str, str, int], dict]]]:
 def draw_charts(result: dict, folder: Path) -> list[str]:
     """The PNG charts of a simulation with sweeps, written into ``folder``; their file names."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -174,12 +175,13 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(6, 4))
     oracle = [r for r in sweeps["accuracy"] if (r["predictor"] or "").startswith("oracle")]
     ax.plot([_recall(r) for r in oracle], [r["tpot_ms"]["p50"] for r in oracle], "o-", label="duoserve, oracle")
+    styles = iter([("--", "gray"), (":", "black"), ("-.", "tab:red"), ("--", "tab:green")])
     for r in sweeps["accuracy"]:
         if r["predictor"] and not r["predictor"].startswith("oracle"):
             ax.plot(_recall(r), r["tpot_ms"]["p50"], "s", label=f"duoserve, {Path(r['predictor']).name}")
-        elif r["predictor"] is None:
-            ax.axhline(r["tpot_ms"]["p50"], ls="--", lw=1, color="gray")
-            ax.annotate(r["policy"], (0, r["tpot_ms"]["p50"]), fontsize=8, va="bottom")
+        elif r["predictor"] is None:  # a policy that predicts nothing: a line across
+            ls, color = next(styles, ("--", "gray"))
+            ax.axhline(r["tpot_ms"]["p50"], ls=ls, lw=1, color=color, label=r["policy"])
     ax.set(xlabel="prefetch precision (share of copies made ahead that the layer used)",
            ylabel="time per output token, P50 (ms)", title=title)
     ax.legend(fontsize=8)
@@ -193,6 +195,9 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
         ax2.plot(gb, [sum(r["bytes_h2d"].values()) / 1e9 for r in points], "o-", label=policy)
     ax1.set(xscale="log", xlabel="GPU expert cache (GB)", ylabel="time per output token, P50 (ms)", title=title)
     ax2.set(xscale="log", xlabel="GPU expert cache (GB)", ylabel="bytes moved (GB)")
+    for ax in (ax1, ax2):  # plain numbers on a log axis, no crowded minor labels
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax1.legend(fontsize=8)
     save(fig, "tpot_vs_budget.png")
 

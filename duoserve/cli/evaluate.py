@@ -202,13 +202,16 @@ def simulate(
         out.mkdir(parents=True, exist_ok=True)
         write_json(out / "simulate.json", result)
     summary = table(f"{model_shape} ({result['layers']} MoE layers) on {result['device']}, simulated: "
-                    f"{result['routing']}", "policy", "predictor", "B", "TTFT P50 ms", "TTFT P95", "TPOT P50 ms",
-                    "TPOT P95", "GB moved", "decode hits", "stall ms", "expert GB")
+                    f"{result['routing']}; TTFT and TPOT in ms, P50/P95; GB moved, decode hit rate, stall ms, "
+                    "expert cache GB", "policy", "predictor", "B", "TTFT", "TPOT", "GB", "hits", "stall", "cache")
+    summary.show_edge = summary.pad_edge = False  # nine columns in an 80-column terminal
     for r in result["rows"]:
-        summary.add_row(r["policy"], r["predictor"] or "-", str(r["batch_size"]), num(r["ttft_ms"]["p50"], ".1f"),
-                        num(r["ttft_ms"]["p95"], ".1f"), num(r["tpot_ms"]["p50"], ".2f"),
-                        num(r["tpot_ms"]["p95"], ".2f"), gb(sum(r["bytes_h2d"].values())),
-                        num(r["hit_rate"]["decode"], ".3f"), num(r["stall_ms"], ".0f"), gb(r["peak_expert_bytes"]))
+        name = "-" if r["predictor"] is None else Path(r["predictor"]).name
+        summary.add_row(r["policy"], name, str(r["batch_size"]),
+                        f"{num(r['ttft_ms']['p50'], '.1f')}/{num(r['ttft_ms']['p95'], '.1f')}",
+                        f"{num(r['tpot_ms']['p50'], '.1f')}/{num(r['tpot_ms']['p95'], '.1f')}",
+                        gb(sum(r["bytes_h2d"].values())), num(r["hit_rate"]["decode"], ".2f"), num(r["stall_ms"], ".0f"),
+                        gb(r["peak_expert_bytes"]))
     console.print(summary)
     console.print(f"results: {out / 'simulate.json'}"
                   + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))
