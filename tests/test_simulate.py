@@ -69,7 +69,8 @@ CASES = [  # (policy, predictor, settings)
 COUNTERS = ("cache_slots", "bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision")
 
 
-def _engine_counts(model, tokenizer, policy, predictor, settings, batch: int, prompt: int, new: int) -> dict:
+def _engine_counts(model, tokenizer, policy, predictor, settings, batch: int, prompt: int, new: int,
+                   expert_dtype: str = "model") -> dict:
     L = len(find_moe_layers(model))
     E, k = find_moe_layers(model)[0].experts.num_experts, model.config.num_experts_per_tok
     routing = RandomRouting(L, E, k, seed=0)
@@ -78,7 +79,7 @@ def _engine_counts(model, tokenizer, policy, predictor, settings, batch: int, pr
     elif predictor == "none":
         predictor = None
     ids = torch.randint(5, len(tokenizer), (batch, prompt), generator=torch.Generator().manual_seed(1))
-    stores = offload(model, policy, "cpu")
+    stores = offload(model, policy, "cpu", expert_dtype)
     try:
         with OffloadEngine(model, stores, policy, predictor, routing, settings) as engine:
             timed_generate(model, ids, torch.ones_like(ids), new, fixed_length=True)
@@ -105,6 +106,13 @@ def test_simulator_counts_equal_the_engines_on_the_same_routing_and_predictor(em
         assert {key: simulated[key] for key in COUNTERS} == engine, (name, predictor, settings)
         assert simulated["copies"]["decode"] + simulated["copies"]["prefill"] > 0
         assert simulated["ttft_ms"]["p50"] > 0 and simulated["tpot_ms"]["p50"] > 0
+    for name, fmt in (("duoserve", "fp8"), ("lru", "int4")):  # quantized stores: copies move their stored bytes
+        engine = _engine_counts(model, tokenizer, POLICIES[name], "oracle:0.5" if name == "duoserve" else "none",
+                                EngineSettings(), batch, prompt=7, new=6, expert_dtype=fmt)
+        sim = Simulator(shape, costs, POLICIES[name], "oracle:0.5" if name == "duoserve" else "none",
+                        expert_dtype=fmt)
+        simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
+        assert {key: simulated[key] for key in COUNTERS} == engine, (name, fmt)
 
 
 def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):
