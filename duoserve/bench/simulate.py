@@ -280,7 +280,7 @@ class SimCompute:
         return self._counts(rows)
 
     def load_all(self, hidden, weights, routing, slots: dict[int, int]) -> list[int]:
-        return self._counts(routing.rows(slots, self.cache.slots))
+        return routing.pair_counts(slots)
 
     def _run(self, counts: list[int], slots: dict[int, int]) -> None:
         if self.groups:

@@ -65,6 +65,13 @@ class Routing:
         self._order = np.argsort(narrow, kind="stable")  # T*k flat positions in expert order
         self._starts = np.concatenate([[0], np.cumsum(self.counts)])  # E + 1: expert e owns _order[starts[e]:starts[e+1]]
 
+    def pair_counts(self, experts) -> list[int]:
+        """The (token, expert) pairs of each of ``experts`` in this call."""
+        if self._flat is not None:
+            flat = self._flat
+            return [flat.count(e) for e in experts]
+        return self.counts[list(experts)].tolist()
+
     def rows(self, slots: dict[int, int], num_slots: int) -> np.ndarray:
         """int32 [token (n), flat routing position token * k + j (n), slot (n), offsets (S)]: the pairs of ``slots``'
         experts (expert -> cache slot) sorted by slot, and the cumulative pair count of each slot, counted from the
