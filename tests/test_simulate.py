@@ -176,6 +176,7 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
         "--batch-size", "2", "--requests", "4", "--out", str(out)])
     assert result.exit_code == 0, result.output
     saved = json.loads((out / "simulate.json").read_text())
+    assert {"commit", "machine", "command"} <= set(saved["provenance"])  # the file says what made it
     rows = {(r["policy"], r["predictor"], r["batch_size"]): r for r in saved["rows"]}
     assert len(rows) == 2 * (3 + 2)  # duoserve with three predictors, on-demand and lru; two batch sizes
     for B in (1, 2):

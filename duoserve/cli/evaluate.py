@@ -96,9 +96,9 @@ def accuracy(
 def _what_it_buys(report, trace: Path, predictor: Path, profile: str, shape: str | None, requests: int, out: Path,
                   say) -> dict:
     """The scorers of ``report`` ranked by simulated time per token (``whatif.json`` in the report folder)."""
+    from duoserve.bench.results import write_result
     from duoserve.bench.simulate import resolve_profile
     from duoserve.bench.whatif import SimulateSettings, what_it_buys
-    from duoserve.files import write_json
     from duoserve.trace.format import open_trace
 
     say("simulating what each scorer buys")
@@ -107,7 +107,7 @@ def _what_it_buys(report, trace: Path, predictor: Path, profile: str, shape: str
     s = SimulateSettings(model_shape=shape, profile=profile, traces=trace, requests=requests)
     result = {"model_shape": shape, "profile": profile, "device": resolve_profile(profile)["device"],
               "traces": str(trace), "requests": requests, "rows": what_it_buys(s, recalls, str(predictor))}
-    write_json(out / "whatif.json", result)
+    write_result(out / "whatif.json", result)
     return result
 
 
@@ -184,8 +184,8 @@ def simulate(
     """What each policy and predictor buys on a device: replays traces (or random routing) through the runtime's
     own schedule on a device profile's costs; TTFT, time per token, bytes moved, stalls, hit rate, peak expert
     memory."""
+    from duoserve.bench.results import write_result
     from duoserve.bench.whatif import SimulateSettings, simulate as run_simulation
-    from duoserve.files import write_json
     from duoserve.runtime.settings import parse_bytes
 
     with user_errors():
@@ -199,8 +199,7 @@ def simulate(
         with progress("simulating") as update:
             result = run_simulation(s, out if charts else None,
                                     lambda done, total, what: update(completed=done, total=total, description=what))
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "simulate.json", result)
+        write_result(out / "simulate.json", result)  # with the commit, machine and command
     summary = table(f"{model_shape} ({result['layers']} MoE layers) on {result['device']}, simulated: "
                     f"{result['routing']}; TTFT and TPOT in ms, P50/P95; GB moved, decode hit rate, stall ms, "
                     "expert cache GB", "policy", "predictor", "B", "TTFT", "TPOT", "GB", "hits", "stall", "cache")
