@@ -223,6 +223,7 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
         ax.plot([r["batch_size"] for r in points], [r["batch_size"] * 1e3 / r["tpot_ms"]["mean"] for r in points],
                 "o-", label=policy)
     ax.set(xscale="log", xlabel="batch size", ylabel="decode throughput (tokens/s)", title=title)
+    ax.set_xticks(CHART_BATCHES, [str(b) for b in CHART_BATCHES])
     ax.legend(fontsize=8)
     save(fig, "throughput_vs_batch.png")
     return written
