@@ -125,7 +125,7 @@ def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):
     ids = np.array([[list(range(a, a + k))] * L for a in firsts])  # N x L x k
     write_trace(tmp_path / "t", ids, request_ids=[0, 0, 0, 0, 1, 1],
                 phases=["prefill", "prefill", "decode", "decode", "prefill", "decode"], num_experts=E)
-    requests = trace_requests(tmp_path / "t")
+    requests = trace_requests(tmp_path / "t", shape)
     assert [(len(r.prompt), len(r.decode)) for r in requests] == [(2, 2), (1, 1)]
     costs, nbytes = Costs(cpu_profile(shape)), shape.layout.nbytes
     # on-demand fetches each pass's distinct experts per layer: passes route A, B, A | B, B: k experts each

@@ -70,15 +70,20 @@ class RandomRouting:
         return self._host[layer]
 
 
+def open_routing_trace(trace: str | Path, num_layers: int, num_experts: int, top_k: int):
+    """The opened trace at ``trace``, refused unless it routes a model of this geometry (L, E, k)."""
+    t = open_trace(trace)
+    geometry = (t.meta.num_layers, t.meta.num_experts, t.meta.top_k)
+    if geometry != (num_layers, num_experts, top_k):
+        raise ValueError(f"trace {trace} has L, E, k = {geometry}; the model has {(num_layers, num_experts, top_k)}")
+    return t
+
+
 class ReplayRouting:
     """The token rows of a trace (optionally one phase), in file order and cycling, as successive tokens' routing."""
 
     def __init__(self, trace: str | Path, num_layers: int, num_experts: int, top_k: int, phase: str | None = None):
-        t = open_trace(trace)
-        geometry = (t.meta.num_layers, t.meta.num_experts, t.meta.top_k)
-        if geometry != (num_layers, num_experts, top_k):
-            raise ValueError(f"trace {trace} has L, E, k = {geometry}; the model has "
-                             f"{(num_layers, num_experts, top_k)}")
+        t = open_routing_trace(trace, num_layers, num_experts, top_k)
         parts = list(t.iter_experts(phase))
         if not parts:
             raise ValueError(f"trace {trace} has no {phase or ''} rows to replay".replace("  ", " "))

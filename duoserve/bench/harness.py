@@ -33,7 +33,7 @@ from duoserve.runtime.generation import offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
-from duoserve.runtime.quant import EXPERT_DTYPES, QuantLayout, check_expert_dtype, make_store
+from duoserve.runtime.quant import EXPERT_DTYPES, check_expert_dtype, make_store, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts, take_experts
 
 
@@ -256,8 +256,7 @@ def _check_host_memory(layers: list, forms: list[str], freed: bool) -> None:
     """Refuse, before any store is made, a bench whose host stores would not fit in the memory available now
     (``freed``: the model's experts are in host memory already and leave it as the stores are made)."""
     layout = ExpertLayout.of(expert_params(layers[0].experts))
-    per_expert = {f: QuantLayout.of(layout, f).nbytes if f in EXPERT_DTYPES and f != "model" else layout.nbytes
-                  for f in forms}
+    per_expert = {f: stored_nbytes(layout, f if f in EXPERT_DTYPES else "model") for f in forms}
     experts = sum(layer.experts.num_experts for layer in layers)
     need = sum(per_expert[f] for f in forms) * experts
     available = psutil.virtual_memory().available + (layout.nbytes * experts if freed else 0)

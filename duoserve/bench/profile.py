@@ -106,6 +106,14 @@ def _median_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> fl
     return statistics.median(times)
 
 
+def _host_ms(fn: Callable[[], None], device: torch.device) -> float:
+    """Host milliseconds of one call of ``fn`` started on an idle device, its work not waited for."""
+    sync(device)
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
 def _copy_host_us(store: HostExperts, device: torch.device, copies: int = 32) -> float:
     """Host microseconds per queued expert copy (the engine's ``Streams.copy_to_device``), the copies not waited
     for inside the timed span."""
@@ -188,10 +196,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         weights = torch.full((T, k), 1.0 / k, dtype=dtype, device=device)  # T x k
         idx = torch.as_tensor(ids, device=device)  # T x k
         engine.phase = phase
-        sync(device)
-        start = time.perf_counter()
-        engine.run_layer(l, hidden, idx, weights)
-        return (time.perf_counter() - start) * 1e6
+        return _host_ms(lambda: engine.run_layer(l, hidden, idx, weights), device) * 1e3
 
     def engine(slots: int) -> OffloadEngine:
         return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(gpu_expert_budget=slots * nbytes))
@@ -350,12 +355,7 @@ def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.devi
         def call() -> None:
             predictor.scores(history, L - 1, depth=1).topk(k, dim=-1)
 
-        host = []
-        for _ in range(s.repeats + 1):
-            sync(device)
-            start = time.perf_counter()
-            call()
-            host.append((time.perf_counter() - start) * 1e3)
+        host = [_host_ms(call, device) for _ in range(s.repeats + 1)]
         rows.append({"batch": B, "host_ms": statistics.median(host[1:]),
                      "wall_ms": _median_ms(call, device, s.repeats)})
     return rows

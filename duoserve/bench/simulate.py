@@ -46,7 +46,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from duoserve.bench.drivers import OraclePredictor, RandomRouting, oracle_recall
+from duoserve.bench.drivers import OraclePredictor, RandomRouting, open_routing_trace, oracle_recall
 from duoserve.bench.profile import load_profile
 from duoserve.bench.shapes import SHAPES, save_shape
 from duoserve.discovery import find_moe_layers, moe_geometry
@@ -54,7 +54,7 @@ from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.policies import Policy
-from duoserve.runtime.quant import QuantLayout, check_expert_dtype
+from duoserve.runtime.quant import stored_nbytes
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import RoutingSource
@@ -240,14 +240,12 @@ class SimStore:
     """One MoE layer's experts as the simulator sees them: what a copy moves and costs (no data)."""
 
     def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
-        self.layout, self.costs, self.fmt = layout, costs, check_expert_dtype(fmt)
+        self.layout, self.costs, self.fmt = layout, costs, fmt
         self.host_ms = costs.copy_host_ms  # per expert fetched; the simulator sets its cache's fetch cost
         self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
         self.modules = None if packed else {}
         self.dequantizes = fmt != "model"
-        if self.dequantizes and not packed:
-            raise ValueError("quantized experts are stored packed")
-        self.row_bytes = QuantLayout.of(layout, fmt).nbytes if self.dequantizes else layout.nbytes
+        self.row_bytes = stored_nbytes(layout, fmt)
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
         costs = self.costs
@@ -485,11 +483,9 @@ class Request:
     nextgate: tuple[np.ndarray | None, np.ndarray | None] = (None, None)
 
 
-def trace_requests(trace: str | Path, limit: int | None = None) -> list[Request]:
-    """The requests of a trace folder, in request order (``limit``: the first that many)."""
-    from duoserve.trace.format import open_trace
-
-    t = open_trace(trace)
+def trace_requests(trace: str | Path, shape: ModelShape, limit: int | None = None) -> list[Request]:
+    """The requests of a trace folder of ``shape``'s routing, in request order (``limit``: the first that many)."""
+    t = open_routing_trace(trace, shape.num_layers, shape.num_experts, shape.top_k)
     L, k = t.meta.num_layers, t.meta.top_k
     m = t.meta.nextgate_width
     columns = ["dataset", "request_id", "phase", "position", "experts"]

@@ -20,7 +20,7 @@ QUANT_TARGETS = {"fp8": (0.55, 0.65), "int4": (0.3, 0.45)}
 
 def _same_point(a: dict, b: dict) -> bool:
     """Runs of the same batch size, prompt length and round."""
-    return a["batch_size"] == b["batch_size"] and a.get("prompt_len") == b.get("prompt_len") and a["round"] == b["round"]
+    return (a["batch_size"], a.get("prompt_len"), a["round"]) == (b["batch_size"], b.get("prompt_len"), b["round"])
 
 
 def _peers(a: dict, b: dict) -> bool:

@@ -62,16 +62,7 @@ class Study:
         self.shape = ModelShape.of(s.model_shape, s.layers, s.dtype)
         self.shape.check(self.profile)
         self.costs = Costs(self.profile)
-        self.requests = trace_requests(s.traces, s.requests) if s.traces is not None else None
-        if self.requests is not None:
-            self._check_trace()
-
-    def _check_trace(self) -> None:
-        r = self.requests[0]
-        L, k = r.prompt.shape[1:] if len(r.prompt) else r.decode.shape[1:]
-        if (L, k) != (self.shape.num_layers, self.shape.top_k):
-            raise ValueError(f"trace {self.s.traces} routes L, k = {(L, k)}; shape {self.shape.name} has "
-                             f"{(self.shape.num_layers, self.shape.top_k)}")
+        self.requests = trace_requests(s.traces, self.shape, s.requests) if s.traces is not None else None
 
     def passes(self, batch: int) -> Iterator:
         s = self.s

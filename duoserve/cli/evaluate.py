@@ -207,10 +207,9 @@ def simulate(
     for r in result["rows"]:
         name = "-" if r["predictor"] is None else Path(r["predictor"]).name
         summary.add_row(r["policy"], name, str(r["batch_size"]),
-                        f"{num(r['ttft_ms']['p50'], '.1f')}/{num(r['ttft_ms']['p95'], '.1f')}",
-                        f"{num(r['tpot_ms']['p50'], '.1f')}/{num(r['tpot_ms']['p95'], '.1f')}",
-                        gb(sum(r["bytes_h2d"].values())), num(r["hit_rate"]["decode"], ".2f"), num(r["stall_ms"], ".0f"),
-                        gb(r["peak_expert_bytes"]))
+                        *(f"{num(r[key]['p50'], '.1f')}/{num(r[key]['p95'], '.1f')}" for key in ("ttft_ms", "tpot_ms")),
+                        gb(sum(r["bytes_h2d"].values())), num(r["hit_rate"]["decode"], ".2f"),
+                        num(r["stall_ms"], ".0f"), gb(r["peak_expert_bytes"]))
     console.print(summary)
     console.print(f"results: {out / 'simulate.json'}"
                   + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))

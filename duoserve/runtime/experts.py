@@ -28,6 +28,7 @@ Shape legend: T tokens, H hidden size, S cache slots, n (token, expert) pairs of
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import NamedTuple
 
@@ -255,7 +256,8 @@ class SlotCompute:
         host, for the compute stream to read."""
         t = torch.from_numpy(rows)
         if self.streams.cuda:
-            with self.streams.on(stream or torch.cuda.current_stream(self.streams.device)):
+            # no stream switch where none is asked for (the decode step's uploads)
+            with self.streams.on(stream) if stream is not None else contextlib.nullcontext():
                 t = t.pin_memory().to(self.streams.device, non_blocking=True)
             if stream is not None and stream is not self.streams.compute:  # allocated there, read on compute
                 t.record_stream(self.streams.compute)

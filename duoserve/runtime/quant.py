@@ -157,6 +157,11 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
             torch.mul(values.view(n, R, C // g, g), scale.view(n, R, C // g, 1), out=dst.view(n, R, C // g, g))
 
 
+def stored_nbytes(layout: ExpertLayout, fmt: str) -> int:
+    """Bytes one expert of ``layout`` takes stored in ``fmt`` (model: its packed row)."""
+    return layout.nbytes if check_expert_dtype(fmt) == "model" else QuantLayout.of(layout, fmt).nbytes
+
+
 class QuantizedExperts(HostExperts):
     """One MoE layer's routed experts stored quantized (``stored``: E x Q uint8, pinned with a GPU); a fetch copies
     an expert's Q bytes and dequantizes them into the cache's slot row (see the module docstring)."""
