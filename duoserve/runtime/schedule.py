@@ -35,9 +35,14 @@ class GroupedFetch:
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
         if hits:
             with timers.cpu("queue compute"):
-                rows = self.compute.upload(routing.rows(hits, self.cache.slots))  # before this call's copies
+                # on the fetch stream, ahead of the copies this call queues next: an upload on the compute stream
+                # waits for the copy stream's whole backlog on the H200, copies queued after it included (measured:
+                # full-layer's prefill idled its copy stream 5 ms every second layer), so it holds this compute
+                rows = self.compute.upload(routing.rows(hits, self.cache.slots), self.stream)
+                uploaded = self.streams.record(self.stream)
             with timers.stall.span():
                 self.cache.wait_ready(hits.values())
+                self.streams.wait(self.streams.compute, uploaded)
             with timers.cpu("queue compute"):
                 self.compute.add_group(l, hidden, weights, rows, hits, out)
         return out
