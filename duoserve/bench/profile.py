@@ -15,18 +15,20 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 experts with T tokens each, replayed from a CUDA graph where one can be captured (so no host time
                 is in it); on the CPU, its wall time
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
-                grouped, the cache looked up, one compute group queued), by phase and tokens
+                grouped, the cache looked up, one compute group queued), by phase and tokens; a decode call's
+                timed inside real generations (the host's caches as a forward pass leaves them, which costs it
+                more than a call timed alone), the device waited for before each call
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
-                heap-ranked one
+                heap-ranked one; timed inside real generations too
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for
   dequant_ms    dequantizing one expert on the device, by stored expert dtype
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
-                size and context length (the experts answering zeros through the experts interface): wall time
-                (``decode_ms``, ``prefill_ms``: what the host spends launching it, where it is host-bound) and the
-                device's kernel time (``decode_device_ms``, ``prefill_device_ms``: torch's profiler; the wall
+                size and context length (the experts answering zeros through the experts interface): host time
+                (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
+                decoder layer of every timed pass, the median) and the device's kernel time (``decode_device_ms``, ``prefill_device_ms``: torch's profiler; the wall
                 time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
@@ -176,11 +178,39 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
     return rows
 
 
+def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
+    """(phase, tokens, host µs, experts fetched) of each of ``engine``'s layer calls in a real generation of ``batch``
+    prompts (``s.contexts[0]`` tokens, 8 new): the host's caches as a forward pass leaves them, the device waited
+    for before each call, so what is timed is the call's own host work, not a wait for its router."""
+    calls = []
+    run = engine.run_layer
+
+    def timed(l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        sync(device)
+        copies = sum(engine.cache.stats.copies.values())
+        start = time.perf_counter()
+        out = run(l, hidden, idx, weights)
+        calls.append((engine.phase, len(idx), (time.perf_counter() - start) * 1e6,
+                      sum(engine.cache.stats.copies.values()) - copies))
+        return out
+
+    vocab = model.get_input_embeddings().num_embeddings
+    ids = torch.randint(vocab, (batch, s.contexts[0]), device=device)
+    engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
+    try:
+        with engine:
+            timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True)
+    finally:
+        del engine.run_layer
+    return calls
+
+
 def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: float, calls: int = 20) -> dict:
     """Host microseconds of the engine's layer calls (the device idle when one starts, not waited for at its end):
-    ``call``: a call whose experts are all cached (one compute group), by phase and tokens; ``fetch``: what each
-    expert fetched on a miss adds, by cache size (a scanned cache and a heap-ranked one, ``cache.py``); ``group``:
-    what each compute group beyond a call's first adds (the prefill schedule's groups)."""
+    ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
+    inside real generations (``_timed_calls``); ``fetch``: what each expert fetched on a miss adds, by cache size (a
+    scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``group``: what each compute
+    group beyond a call's first adds (the prefill schedule's groups)."""
     layers = find_moe_layers(model)
     stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
     model.to(device)
@@ -202,34 +232,36 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(gpu_expert_budget=slots * nbytes))
 
     every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
-    rows, hit_us = [], {}
-    with torch.no_grad(), engine(L * E) as cached:
-        for l in range(L):
-            call(cached, l, "prefill", every)  # every expert of every layer cached from here on
-        for phase, tokens in [("decode", B) for B in s.batch_sizes] + [("prefill", T) for T in s.tokens] + \
-                [("prefill", len(every))]:
-            times = [call(cached, 0, phase, random_ids(rng, tokens, 1, E, k)[:, 0]) for _ in range(calls + 2)]
-            hit_us[phase, tokens] = statistics.median(times[2:])
-    rows = [{"phase": phase, "tokens": T, "us": us} for (phase, T), us in hit_us.items() if (phase, T) !=
+    hit_us = {}
+    with torch.no_grad():
+        cached = engine(L * E)
+        with cached:
+            for l in range(L):
+                call(cached, l, "prefill", every)  # every expert of every layer cached from here on
+            for T in [*s.tokens, len(every)]:
+                times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
+                hit_us["prefill", T] = statistics.median(times[2:])
+        for B in s.batch_sizes:
+            hit_us["decode", B] = statistics.median(us for phase, _, us, _ in _timed_calls(cached, model, s, B, device)
+                                                    if phase == "decode")
+    rows = [{"phase": phase, "tokens": T, "us": us} for (phase, T), us in sorted(hit_us.items()) if (phase, T) !=
             ("prefill", len(every)) or T in s.tokens]
-
-    def misses(slots: int, tokens_of: Callable[[int], np.ndarray], phase: str) -> float:
-        """Median host time of calls that find none of their experts cached: successive calls cycle through the
-        layers and through disjoint sets of experts, more than the cache holds."""
-        with torch.no_grad(), engine(slots) as e:
-            times = [call(e, i % L, phase, tokens_of(i // L)) for i in range(calls + 2 * L)]
-        return statistics.median(times[2 * L:])
 
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
-        miss_us = misses(slots, lambda i: (np.arange(k) + (i * k) % E)[None] % E, "decode")
+        with torch.no_grad():
+            timed = [(us, n) for phase, _, us, n in _timed_calls(engine(slots), model, s, 1, device)
+                     if phase == "decode" and n]
+        spent = sum(us - hit_us["decode", 1] for us, _ in timed) / max(sum(n for _, n in timed), 1)
         # at least the copy's own queueing: on a small model the difference is within the noise of two medians
-        fetch.append({"slots": slots, "us": max((miss_us - hit_us["decode", 1]) / k, copy_us)})
+        fetch.append({"slots": slots, "us": max(spent, copy_us)})
+
     # one prefill call of every expert, none cached, through a cache of 2k slots: E misses in E/k groups of k
-    prefill_us = misses(2 * k, lambda i: every, "prefill")
-    groups = len(every)
+    with torch.no_grad(), engine(2 * k) as e:
+        times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
+    prefill_us = statistics.median(times[2 * L:])
     extra = prefill_us - hit_us["prefill", len(every)] - E * fetch[0]["us"]
-    return {"call": rows, "fetch": fetch, "group": max(extra, 0.0) / max(groups - 1, 1)}
+    return {"call": rows, "fetch": fetch, "group": max(extra, 0.0) / max(len(every) - 1, 1)}
 
 
 def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) -> dict:
@@ -272,8 +304,11 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     del shallow
     layer_ms, step_ms = [], []
     for one, deep in zip(passes[1], passes[s.layers]):
+        # host time per layer from the layers' own clocks (a fit of two depths' walls is within their noise on a
+        # host-bound pass); device time from the two depths' kernel times
         per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0)
-                     for key in ("decode_ms", "prefill_ms", "decode_device_ms", "prefill_device_ms")}
+                     for key in ("decode_device_ms", "prefill_device_ms")}
+        per_layer.update(decode_ms=deep["layer_decode_ms"], prefill_ms=deep["layer_prefill_ms"])
         layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
         step_ms.append({"batch": one["batch"], "context": one["context"],
                         **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
@@ -292,12 +327,14 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
     """Wall and device milliseconds of a whole decode step and a whole prefill of ``model``, its routed experts
-    answering zeros, by batch size and context length."""
+    answering zeros, by batch size and context length; and each decoder layer's host time inside them
+    (``layer_decode_ms``, ``layer_prefill_ms``: the median over every layer of every timed pass, from its forward
+    hooks: nothing in a layer waits for the device, so this is what the host spends launching it)."""
     depth = model.config.get_text_config().num_hidden_layers
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     rows = []
-    with _NoExperts(model):
+    with _NoExperts(model), _LayerClock(model.get_decoder().layers) as clock:
         for B in s.batch_sizes:
             for C in s.contexts:
                 say(f"{depth} layers without experts, B={B} C={C}")
@@ -308,9 +345,11 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
                     return timed_generate(model, ids, mask, n, fixed_length=True)[1]
 
                 generate(2)  # warm-up
+                clock.times = {"prefill": [], "decode": []}
                 timings = [generate(8) for _ in range(s.repeats)]
                 row = {"batch": B, "context": C, "decode_ms": statistics.median(t["tpot_ms"] for t in timings),
-                       "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings)}
+                       "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings),
+                       **{f"layer_{phase}_ms": statistics.median(ms) for phase, ms in clock.times.items()}}
                 if device.type == "cuda":  # kernel time of a prefill alone, and of it with 7 decode steps
                     prefill, both = _kernel_ms(lambda: generate(1)), _kernel_ms(lambda: generate(8))
                     row.update(prefill_device_ms=prefill, decode_device_ms=max(both - prefill, 0.0) / 7)
@@ -318,6 +357,30 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
                     row.update(prefill_device_ms=row["prefill_ms"], decode_device_ms=row["decode_ms"])
                 rows.append(row)
     return rows
+
+
+class _LayerClock:
+    """Forward hooks that time each decoder layer's call on the host, by phase (a pass of more than one token per
+    sequence is a prefill); removed on exit."""
+
+    def __init__(self, layers):
+        self.layers, self.times = layers, {"prefill": [], "decode": []}
+
+    def __enter__(self):
+        def begin(module, args, kwargs):
+            self._start = time.perf_counter()
+
+        def end(module, args, kwargs, output):
+            hidden = args[0] if args else kwargs["hidden_states"]  # B x S x H
+            self.times["prefill" if hidden.shape[1] > 1 else "decode"].append((time.perf_counter() - self._start) * 1e3)
+
+        self._hooks = [h for layer in self.layers for h in (layer.register_forward_pre_hook(begin, with_kwargs=True),
+                                                            layer.register_forward_hook(end, with_kwargs=True))]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
 
 
 def _kernel_ms(fn: Callable[[], None]) -> float:
