@@ -180,7 +180,7 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
     """(phase, tokens, host µs, experts fetched) of each of ``engine``'s layer calls in a real generation of ``batch``
-    prompts (``s.contexts[0]`` tokens, 8 new): the host's caches as a forward pass leaves them, the device waited
+    prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them, the device waited
     for before each call, so what is timed is the call's own host work, not a wait for its router."""
     calls = []
     run = engine.run_layer
@@ -196,12 +196,13 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(vocab, (batch, s.contexts[0]), device=device)
-    engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
-    try:
-        with engine:
+    with engine:
+        timed_generate(model, ids, torch.ones_like(ids), 2, fixed_length=True)  # warm-up: CUDA graphs captured
+        engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
+        try:
             timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True)
-    finally:
-        del engine.run_layer
+        finally:
+            del engine.run_layer
     return calls
 
 
@@ -252,7 +253,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         with torch.no_grad():
             timed = [(us, n) for phase, _, us, n in _timed_calls(engine(slots), model, s, 1, device)
                      if phase == "decode" and n]
-        spent = sum(us - hit_us["decode", 1] for us, _ in timed) / max(sum(n for _, n in timed), 1)
+        spent = statistics.median((us - hit_us["decode", 1]) / n for us, n in timed) if timed else 0.0
         # at least the copy's own queueing: on a small model the difference is within the noise of two medians
         fetch.append({"slots": slots, "us": max(spent, copy_us)})
 
