@@ -27,7 +27,8 @@ engine's on the same routing and predictor (tested exactly against the engine on
 profile's model of them (against the engine on the H200: ``benchmarks/simulate_validation.py``).
 
 Not modelled: padding (a batch's prompts are one pass of all their tokens, at the longest prompt's context), and
-copy bandwidth under a busy compute stream.
+host-to-device transfers of two streams contending (an upload on the compute stream that waits for the copy
+stream's backlog on the H200: the engine queues none where a copy backlog stands, ``schedule.py``).
 """
 
 from __future__ import annotations

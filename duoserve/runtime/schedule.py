@@ -1,7 +1,8 @@
 """The fetch schedule of calls whose experts do not all fit in the cache at once: prefill, and large decode batches.
 
-Experts already cached are computed first; every other routed expert is fetched once, in groups of
-half the cache, and each group is computed as soon as it lands. With a copy stream (policies with
+Experts already cached are computed first (their pair rows uploaded on the fetch stream, ahead of the
+copies the call queues next); every other routed expert is fetched once, in groups of half the cache, and
+each group is computed as soon as it lands. With a copy stream (policies with
 ``overlap``) the next group's copies are queued before this group's compute, so the copy stream
 always has work while the host queues compute; without one (on-demand), each group is copied on
 the compute stream and waited for.
