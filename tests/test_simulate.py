@@ -13,6 +13,7 @@ from duoserve.bench.simulate import Costs, ModelShape, Simulator, random_passes,
 from duoserve.discovery import find_moe_layers
 from duoserve.loading import load_model
 from duoserve.predictor.artifact import load_predictor, save_predictor
+from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.generation import offload, timed_generate
@@ -113,6 +114,24 @@ def test_simulator_counts_equal_the_engines_on_the_same_routing_and_predictor(em
                         expert_dtype=fmt)
         simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
         assert {key: simulated[key] for key in COUNTERS} == engine, (name, fmt)
+
+
+def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_layer_calls(trained, monkeypatch):
+    shape = ModelShape.of("embedded", dtype="float32")
+    sim = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], str(trained))
+    deployed = sim.scheduler.prefetch.predictor
+    per_layer = TrainedPredictor(load_predictor(trained), "cpu")
+    decode = next(p for p in random_passes(shape, 2, 5, 3) if p.phase == "decode")
+    sim.predict_ahead([decode])
+    L = shape.num_layers
+    assert sorted((t, d) for _, t, d in deployed.table) == [(t, 1) for t in range(1, L)]  # what the prefetch asks
+    history = torch.from_numpy(decode.ids.transpose(1, 0, 2).astype(np.int64))  # B x L x k
+    for (_, t, d), scores in deployed.table.items():
+        torch.testing.assert_close(scores, per_layer.scores(history, t, depth=d), rtol=0, atol=1e-5)
+    calls = []
+    monkeypatch.setattr(deployed.predictor, "scores", lambda *args, **kwargs: calls.append(args))
+    result = run(sim, ((0, p) for p in random_passes(shape, 2, 5, 4)))
+    assert result["prefetched"] > 0 and not calls  # every layer's prediction came from the batched table
 
 
 def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):

@@ -34,6 +34,7 @@ stream's backlog on the H200: the engine queues none where a copy backlog stands
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import statistics
 import tempfile
@@ -345,7 +346,11 @@ class Pass(NamedTuple):
 
 class _TimedPredictor:
     """A trained predictor run on the host for its real predictions, each call costing what the profile's predictor
-    call costs: host time, then device time on the predictor stream (which the prefetch's rank waits for)."""
+    call costs: host time, then device time on the predictor stream (which the prefetch's rank waits for).
+
+    Its scores are a function of the token's routing up to the layer running, the target, the depth and the
+    target's next-gate features only, so ``fill`` computes those of many passes in one batched call, and a call of
+    the schedule takes them from the table (scores equal to one call per layer up to float rounding)."""
 
     on_host = False
 
@@ -353,12 +358,29 @@ class _TimedPredictor:
         self.predictor, self.streams, self.costs = predictor, streams, costs
         self.nextgate, self.nextgate_scores = predictor.nextgate, predictor.nextgate_scores
         self.lookahead = predictor.lookahead
+        self.table: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass key, target, depth) -> B x E scores
+        self.key: int | None = None  # the pass being simulated
+
+    def fill(self, asks: list[tuple[int, torch.Tensor, int, int, tuple]]) -> None:
+        """Score every (pass key, B x L x k routing, target, depth, next-gate features) in one call."""
+        self.table = {}
+        if not asks:
+            return
+        sizes = [len(history) for _, history, _, _, _ in asks]
+        history = torch.cat([h for _, h, _, _, _ in asks])  # N x L x k
+        target = torch.cat([torch.full((n,), t, dtype=torch.long) for n, (_, _, t, _, _) in zip(sizes, asks)])  # N
+        depth = torch.cat([torch.full((n,), d, dtype=torch.long) for n, (_, _, _, d, _) in zip(sizes, asks)])  # N
+        features = [torch.cat(parts) for parts in zip(*(f for *_, f in asks))]  # N x m ids (and scores)
+        scores = self.predictor.logits(history, target, *features, depth=depth).sigmoid()  # N x E
+        for (key, _, t, d, _), part in zip(asks, scores.split(sizes)):
+            self.table[key, t, d] = part
 
     def scores(self, history: torch.Tensor, target: int, *nextgate, depth: int = 1) -> torch.Tensor:
         host_ms, device_ms = self.costs.predictor_ms(len(history))
         self.streams.host += host_ms
         self.streams.run(self.streams.predict, device_ms)
-        return self.predictor.scores(history, target, *nextgate, depth=depth)
+        filled = self.table.get((self.key, target, depth))
+        return filled if filled is not None else self.predictor.scores(history, target, *nextgate, depth=depth)
 
 
 class _PassRouting:
@@ -417,11 +439,33 @@ class Simulator:
 
         return features
 
+    def predict_ahead(self, passes: list[Pass]) -> None:
+        """Compute a trained predictor's scores for every decode pass of ``passes`` at once, each (target, depth)
+        that the decode prefetch asks at some layer (``forward`` then reads them: one batched call, not one per
+        layer; nothing for an oracle or no predictor)."""
+        plan = self.scheduler.prefetch
+        if plan is None or not isinstance(plan.predictor, _TimedPredictor):
+            return
+        asks = [(l, t) for l in range(self.shape.num_layers) for t in plan.targets(l)]  # (layer, target)
+        table = []
+        for p in passes:
+            if p.phase != "decode":
+                continue
+            history = torch.from_numpy(p.ids.transpose(1, 0, 2).astype(np.int64))  # B x L x k: reads layers <= l only
+            self._nextgate = p.nextgate
+            for l, t in asks:
+                features = plan.next_gate[t](None) if plan.next_gate else ()
+                table.append((id(p), history, t, t - l, features))
+        self._nextgate = None
+        plan.predictor.fill(table)
+
     def forward(self, p: Pass) -> float:
         """Simulate one forward pass; its wall milliseconds (host clock, the pass's token read at its end)."""
         s, costs, sched = self.streams, self.costs, self.scheduler
         start = s.host
         self._routing.current, self._nextgate = p.ids, p.nextgate
+        if sched.prefetch is not None and isinstance(sched.prefetch.predictor, _TimedPredictor):
+            sched.prefetch.predictor.key = id(p)
         sched.begin_pass(p.phase, p.batch)
         T = p.ids.shape[1]
         hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)
@@ -537,7 +581,7 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     each prefill, tokens, token-layers, the engine's counters and the simulator's own seconds."""
     ttft, tpot, tokens, warm, prompts = [], [], 0, False, []
     started = time.perf_counter()
-    for index, p in passes:
+    for index, p in _predicted_ahead(sim, passes):
         if index >= 0 and warm:  # the timed generation starts on an idle device, its counters from zero
             sim.streams.synchronize()
             sim.reset_stats()
@@ -557,6 +601,14 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
             "sim_seconds": seconds, "peak_expert_bytes": stats["cache_bytes"], "prefill_points": prompts,
             **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
                                            "prefetched", "prefetch_precision", "stall_ms")}}
+
+
+def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], chunk: int = 64) -> Iterator[tuple[int, Pass]]:
+    """``passes`` as they come, a trained predictor's scores computed ``chunk`` passes at a time before they run."""
+    it = iter(passes)
+    while block := list(itertools.islice(it, chunk)):
+        sim.predict_ahead([p for _, p in block])
+        yield from block
 
 
 def _summary(values: list[float]) -> dict:
