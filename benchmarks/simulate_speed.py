@@ -3,20 +3,26 @@ CPU core, Qwen3-30B-A3B's shape (48 layers) on the shipped H200 profile, uniform
 
 Cases: prompt 512 + 32 new tokens at B=1 (mostly prefill token-layers, one call per layer for a whole prompt),
 the same at B=8, and the worst case, decode only (prompt 1, 64 new tokens, B=1: every token-layer is one engine
-call). The routing is drawn before the clock starts.
+call), with an oracle, with no predictor and with a trained predictor of the paper's widths for this geometry
+(random weights: its cost, not its accuracy; its scores computed ahead in batches, as the simulator does). The
+routing is drawn before the clock starts.
 
     python benchmarks/simulate_speed.py --out benchmarks/results/simulate_speed_cpu.json
 """
 
 from __future__ import annotations
 
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
 from duoserve.bench.drivers import RandomRouting
 from duoserve.bench.results import parser, write_result
+from duoserve.bench.shapes import random_predictor
 from duoserve.bench.simulate import Costs, ModelShape, Simulator, generation_passes, resolve_profile, run
+from duoserve.predictor.artifact import save_predictor
 from duoserve.runtime.policies import POLICIES
 
 TARGET = 1_000_000  # token-layers per case
@@ -27,8 +33,8 @@ def case(shape: ModelShape, costs: Costs, policy: str, predictor: str, batch: in
     per_generation = batch * (prompt + new - 1) * shape.num_layers
     generations = -(-TARGET // per_generation)
     passes = [(g, p) for g in range(generations) for p in generation_passes(routing, batch, prompt, new)]
-    sim = Simulator(shape, costs, POLICIES[policy], predictor)
     start = time.perf_counter()
+    sim = Simulator(shape, costs, POLICIES[policy], predictor)
     result = run(sim, passes)
     seconds = time.perf_counter() - start
     return {"policy": policy, "predictor": predictor, "batch_size": batch, "prompt_len": prompt, "new_tokens": new,
@@ -43,14 +49,18 @@ def main(argv: list[str] | None = None) -> dict:
     shape, costs = ModelShape.of("qwen3-30b-a3b"), Costs(profile)
     cases = [("duoserve", "oracle:0.9", 1, 512, 32), ("on-demand", "none", 1, 512, 32),
              ("duoserve", "oracle:0.9", 8, 512, 32), ("duoserve", "oracle:0.9", 1, 1, 64),
-             ("lru", "none", 1, 1, 64)]
+             ("lru", "none", 1, 1, 64), ("duoserve", "trained", 1, 1, 64), ("duoserve", "trained", 1, 512, 32)]
     rows = []
-    for spec in cases:
-        rows.append(case(shape, costs, *spec))
-        r = rows[-1]
-        print(f"{r['policy']:>9} {r['predictor']:>10} B={r['batch_size']:<2} prompt {r['prompt_len']:>4} + "
-              f"{r['new_tokens']:>2}: {r['token_layers']:>8} token-layers in {r['seconds']:.1f} s "
-              f"= {r['seconds_per_million']:.1f} s per million (target: under 30)")
+    with tempfile.TemporaryDirectory() as folder:
+        trained = str(save_predictor(random_predictor(shape.num_layers, shape.num_experts, shape.top_k),
+                                     Path(folder) / "predictor", {}, []))
+        for policy, predictor, *sizes in cases:
+            spec = trained if predictor == "trained" else predictor
+            rows.append({**case(shape, costs, policy, spec, *sizes), "predictor": predictor})
+            r = rows[-1]
+            print(f"{r['policy']:>9} {r['predictor'][:10]:>10} B={r['batch_size']:<2} prompt {r['prompt_len']:>4} + "
+                  f"{r['new_tokens']:>2}: {r['token_layers']:>8} token-layers in {r['seconds']:.1f} s "
+                  f"= {r['seconds_per_million']:.1f} s per million (target: under 30)")
     result = {"shape": "qwen3-30b-a3b", "profile": "h200-qwen3-30b-a3b", "threads": 1, "cases": rows}
     write_result(args.out, result)
     return result

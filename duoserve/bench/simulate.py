@@ -250,17 +250,28 @@ class SimStore:
         self.row_bytes = stored_nbytes(layout, fmt)
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
-        costs = self.costs
-        for _ in experts:
-            if self.packed is None:  # a blocking copy from pageable memory per parameter
-                streams.run(stream, costs.module_copy_ms, copy=True)
-                streams.block(stream)
-                continue
-            streams.host += self.host_ms
-            streams.run(stream, costs.copy_ms(self.row_bytes), copy=True)
-            if self.dequantizes:
+        """n copies, each queued by the host (``host_ms``) and then run on ``stream`` (``copy``): in closed form, the
+        n-th ends at max(t0 + n copy, h + host + n copy, h + n host + copy) for a stream at t0 and the host at h
+        (the latest of the stream's own work, the first copy's queueing and the last one's)."""
+        costs, n = self.costs, len(experts)
+        if self.packed is None:  # a blocking copy from pageable memory per parameter, each waited for
+            streams.run(stream, n * costs.module_copy_ms, copy=True)
+            streams.block(stream)
+            return
+        host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
+        if self.dequantizes:  # each copy dequantized on its own stream once it lands
+            for _ in experts:
+                streams.host += host
+                streams.run(stream, copy, copy=True)
                 streams.wait(streams.dequant, streams.record(stream))
                 streams.run(streams.dequant, costs.dequant_ms[self.fmt])
+            return
+        h = streams.host
+        streams.host = h + n * host
+        start = stream.t
+        stream.t = max(start + n * copy, h + host + n * copy, h + n * host + copy)
+        if stream is streams.compute:
+            streams.stall_ms += n * copy
 
 
 class SimCompute:
