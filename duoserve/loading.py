@@ -14,6 +14,7 @@ import torch
 from duoserve.embedded import EMBEDDED_MODEL, EMBEDDED_NAME
 
 DTYPES = {"auto": "auto", "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+FP8_BLOCK = 128  # the block side of the FP8 checkpoints read (and of the runtime's own fp8 experts)
 
 
 class ModelLoadError(ValueError):
@@ -60,19 +61,50 @@ def _dtype(dtype: str):
     return DTYPES[dtype]
 
 
+def checkpoint_experts(model: str, revision: str | None = None) -> str:
+    """How a checkpoint stores its weights, as an expert dtype: "fp8" for a block-wise FP8 checkpoint (the official
+    ones, such as Qwen3-30B-A3B-FP8: float8 e4m3 codes and a ``weight_scale_inv`` per 128 x 128 block), else "model".
+    Refuses another quantization method, whose loader replaces the experts module with one the engine cannot
+    drive."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(_local_or_hub(model), revision=revision)
+    except (OSError, ValueError) as err:
+        raise ModelLoadError(f"could not read a config for {model!r}: {err}") from err
+    quant = getattr(config, "quantization_config", None)
+    if quant is None:
+        return "model"
+    quant = quant if isinstance(quant, dict) else quant.to_dict()
+    method, block = quant.get("quant_method"), list(quant.get("weight_block_size") or [])
+    if method == "fp8" and block == [FP8_BLOCK, FP8_BLOCK]:
+        return "fp8"
+    raise ModelLoadError(f"{model} is quantized with {method} (block {block or '-'}); duoserve reads block-wise FP8 "
+                         f"checkpoints ({FP8_BLOCK} x {FP8_BLOCK} blocks) and unquantized ones: load the model's "
+                         "unquantized checkpoint and store its experts with --expert-dtype fp8 or int4")
+
+
 def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
-    """Model (eval mode, on ``device``) and tokenizer (left padding) from a hub id, a local path or 'embedded'."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """Model (eval mode, on ``device``) and tokenizer (left padding) from a hub id, a local path or 'embedded'.
+
+    A block-wise FP8 checkpoint (``checkpoint_experts``) is loaded dequantized on every device (transformers'
+    own FP8 path, which on a GPU would swap in its own experts module): the runtime stores its experts in FP8
+    again (``--expert-dtype auto``), which gives back the checkpoint's own codes where its block scales are the
+    blocks' absolute maxima over 448, as the official checkpoints' are."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, FineGrainedFP8Config
     from transformers.utils import logging as hf_logging
 
     torch_dtype = _dtype(dtype)
     path = _local_or_hub(model)
     target = resolve_device(device)
+    quantized = {"quantization_config": FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK),
+                                                             dequantize=True)} \
+        if checkpoint_experts(model, revision) == "fp8" else {}
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per shard: the commands draw their own progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-        net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype)
+        net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, **quantized)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"could not load model {model!r}: {err}") from err
     finally:

@@ -292,3 +292,86 @@ def test_bench_runs_each_expert_dtype_and_checks_its_ratios(tmp_path, arch_model
         assert checks[f"{fmt} decode bytes per token <= "
                       f"{0.55 if fmt == 'fp8' else 0.3}x of the model dtype's"]["value"] == pytest.approx(ratio)
         assert "TTFT >= 1.8x better than accelerate" in checks  # accelerate has no dtype: compared with each
+
+
+def _fp8_blocks(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """R x C e4m3 codes and the (R/128) x (C/128) scales an FP8 checkpoint stores (``weight_scale_inv``: a block's
+    absolute maximum over 448, what its codes are multiplied by)."""
+    R, C = w.shape
+    blocks = w.reshape(R // 128, 128, C // 128, 128)
+    scale = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+    return (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(R, C), scale.float()
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """A tiny Qwen3-MoE checkpoint in the official FP8 checkpoints' schema: every projection's weight as e4m3 codes
+    with a ``weight_scale_inv`` per 128 x 128 block, per-expert tensors, the routers and head unquantized."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen3MoeConfig
+
+    from duoserve.loading import resolve_model
+
+    folder = tmp_path_factory.mktemp("fp8")
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("embedded"))
+    config = Qwen3MoeConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256,
+                            moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=128, num_experts=8, num_experts_per_tok=2,
+                            max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    weights = {}
+    for name, w in load_file(folder / "model.safetensors").items():
+        if name.endswith("_proj.weight"):
+            weights[name], weights[name.replace(".weight", ".weight_scale_inv")] = _fp8_blocks(w)
+        else:
+            weights[name] = w
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    meta = json.loads((folder / "config.json").read_text())
+    meta["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head", "mlp.gate"]}
+    (folder / "config.json").write_text(json.dumps(meta))
+    return folder, weights
+
+
+def test_an_fp8_checkpoint_loads_as_its_own_weights_and_its_experts_stay_fp8(fp8_checkpoint):
+    from duoserve.loading import checkpoint_experts
+    from duoserve.runtime.generation import generate
+
+    folder, weights = fp8_checkpoint
+    assert checkpoint_experts(str(folder)) == "fp8" and checkpoint_experts("embedded") == "model"
+    model, _ = load_model(str(folder), device="cpu", dtype="float32")
+    experts = find_moe_layers(model)[1].experts  # transformers' own experts module, dequantized
+    I = experts.down_proj.shape[2]
+    for e in range(experts.num_experts):
+        for part, rows in (("gate", slice(0, I)), ("up", slice(I, 2 * I))):
+            key = f"model.layers.1.mlp.experts.{e}.{part}_proj.weight"
+            codes, scale = weights[key], weights[key.replace(".weight", ".weight_scale_inv")]
+            expected = (codes.float().reshape(1, 128, 1, 128) * scale[:, None, :, None]).reshape(codes.shape)
+            assert torch.equal(experts.gate_up_proj[e, rows], expected)
+    # stored as fp8 again, the experts are the checkpoint's weights exactly: its codes, its scales
+    params = {n: p.detach() for n, p in expert_params(experts).items()}
+    stored = QuantizedExperts.quantize(params, "fp8", pin=False).params("cpu")
+    assert all(torch.equal(stored[n], params[n]) for n in params)
+    # the runtime picks fp8 for such a checkpoint, and its tokens are the dequantized model's
+    offloaded = generate(str(folder), PROMPTS, "duoserve", new_tokens=8, device="cpu", dtype="float32")
+    resident = generate(str(folder), PROMPTS, "all-resident", new_tokens=8, device="cpu", dtype="float32")
+    assert offloaded.expert_dtype == "fp8" and offloaded.counters["bytes_h2d"]["decode"] > 0
+    assert offloaded.texts == resident.texts
+
+
+def test_a_checkpoint_in_another_quantization_is_refused_with_what_to_do(fp8_checkpoint, tmp_path):
+    import shutil
+
+    from duoserve.loading import ModelLoadError, checkpoint_experts
+
+    folder = tmp_path / "awq"
+    shutil.copytree(fp8_checkpoint[0], folder)
+    meta = json.loads((folder / "config.json").read_text())
+    meta["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (folder / "config.json").write_text(json.dumps(meta))
+    with pytest.raises(ModelLoadError, match="quantized with awq.*unquantized checkpoint"):
+        checkpoint_experts(str(folder))
+    with pytest.raises(ModelLoadError, match="quantized with awq"):
+        load_model(str(folder), device="cpu")

@@ -60,7 +60,8 @@ def generate(
     eager: EagerOption = ENGINE.eager,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     pin: PinOption = None,
-    expert_dtype: Annotated[str, typer.Option(help=ExpertDtypeHelp)] = "model",
+    expert_dtype: Annotated[str, typer.Option(help=ExpertDtypeHelp + " auto: fp8 for a block-wise FP8 checkpoint "
+                                              "(its own codes), else model.")] = "auto",
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu (the CPU stands in for a GPU).")] = "auto",
     dtype: DtypeOption = "auto",
     out: Annotated[Optional[Path], typer.Option(help="Also write the texts and figures here (JSON).")] = None,
@@ -84,6 +85,7 @@ def generate(
     figures.add_row("time per output token (ms)", num(timing["tpot_ms"], ".2f"))
     figures.add_row("end to end (s)", num(timing["e2e_s"]))
     figures.add_row("peak GPU memory (GB)", gb(timing["peak_gpu_bytes"]))
+    figures.add_row("host experts stored as", result.expert_dtype)
     if counters:
         figures.add_row("host-to-device GB (prefill / decode)",
                         f"{gb(counters['bytes_h2d']['prefill'])} / {gb(counters['bytes_h2d']['decode'])}")

@@ -15,7 +15,7 @@ from torch import nn
 from transformers.generation.streamers import BaseStreamer
 
 from duoserve.discovery import find_moe_layers
-from duoserve.loading import load_model, resolve_device
+from duoserve.loading import checkpoint_experts, load_model, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.peers import AccelerateOffload
@@ -130,18 +130,29 @@ class Generation:
     texts: list[str]
     timing: dict
     counters: dict = field(default_factory=dict)
+    expert_dtype: str = "model"  # how the host experts were stored
 
     def to_dict(self) -> dict:
-        return {"policy": self.policy, "texts": self.texts, **self.timing, **self.counters}
+        return {"policy": self.policy, "expert_dtype": self.expert_dtype, "texts": self.texts, **self.timing,
+                **self.counters}
+
+
+def resolve_expert_dtype(expert_dtype: str, model: str, policy: Policy) -> str:
+    """``expert_dtype``, where "auto" is the checkpoint's own format where ``policy`` can store it (fp8 for a
+    block-wise FP8 checkpoint, ``loading.checkpoint_experts``) and the model's dtype otherwise."""
+    if expert_dtype != "auto":
+        return check_expert_dtype(expert_dtype)
+    return checkpoint_experts(model) if policy.quantizable else "model"
 
 
 def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predictor: str | Path | None = None,
              new_tokens: int = 64, settings: EngineSettings = EngineSettings(), device: str = "auto",
-             dtype: str = "auto", expert_dtype: str = "model") -> Generation:
-    """Load ``model`` (hub id, path or 'embedded'), offload its experts under ``policy`` (stored in ``expert_dtype``)
-    and generate greedily from ``prompts`` (a batch) with the predictor artifact at ``predictor``; the model is put
-    back together after."""
+             dtype: str = "auto", expert_dtype: str = "auto") -> Generation:
+    """Load ``model`` (hub id, path or 'embedded'), offload its experts under ``policy`` (stored in ``expert_dtype``,
+    ``resolve_expert_dtype``) and generate greedily from ``prompts`` (a batch) with the predictor artifact at
+    ``predictor``; the model is put back together after."""
     chosen = get_policy(policy)
+    expert_dtype = resolve_expert_dtype(expert_dtype, model, chosen)
     scorer = load_predictor(predictor) if predictor else None
     target = resolve_device(device)
     net, tokenizer = load_model(model, device="cpu", dtype=dtype)
@@ -161,4 +172,4 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
         if stores is not None:
             put_experts(plugin.layers, stores, target)
     texts = tokenizer.batch_decode(out[:, batch.input_ids.shape[1]:], skip_special_tokens=True)
-    return Generation(chosen.name, list(prompts), texts, timing, counters)
+    return Generation(chosen.name, list(prompts), texts, timing, counters, expert_dtype if stores else "model")

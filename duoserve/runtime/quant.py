@@ -32,11 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
+from duoserve.loading import FP8_BLOCK
 from duoserve.runtime.store import ExpertLayout, HostExperts
 from duoserve.runtime.streams import Streams
 
 EXPERT_DTYPES = ("model", "fp8", "int4")
-BLOCK = 128  # fp8 block side and int4 group size
+BLOCK = FP8_BLOCK  # fp8 block side (that of the FP8 checkpoints read, loading.py) and int4 group size
 STAGE_BYTES = 96 << 20  # at most this many bytes of cache rows dequantized per pass of a fetch group, and at most
 STAGE_ROWS = 16  # this many experts (device scratch per stream)
 _ALIGN = 16  # bytes: every segment of a stored row starts 16-byte aligned (fp32 scales, vector loads)
