@@ -134,7 +134,7 @@ class ExpertCache:
                       for s, key in enumerate(self.key) if key not in keep and key not in self.pinned]
             if len(ranked) < count:
                 raise self._full(count, keep)
-            return [s for _, s in heapq.nsmallest(count, ranked)]
+            return [s for _, s in sorted(ranked)[:count]]  # heapq.nsmallest's answer; faster on a small cache
         chosen, held = [], []
         while len(chosen) < count and self._heap:
             entry = heapq.heappop(self._heap)

@@ -97,7 +97,10 @@ class DecodePrefetch:
             ranked = []
             for d, target_ids in enumerate(ids):  # B x k each
                 target_ids = target_ids.reshape(-1).tolist()  # B*k
-                target_vals = vals[d].reshape(-1).tolist() if vals is not None else [1.0] * len(target_ids)
+                if vals is None:  # all equally sure: the union in the order named (what the sort below keeps)
+                    ranked.append([(e, 1.0) for e in dict.fromkeys(target_ids)] if self.min_score <= 1.0 else [])
+                    continue
+                target_vals = vals[d].reshape(-1).tolist()
                 best: dict[int, float] = {}
                 for e, v in zip(target_ids, target_vals):
                     if v >= self.min_score:
