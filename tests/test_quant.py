@@ -375,3 +375,19 @@ def test_a_checkpoint_in_another_quantization_is_refused_with_what_to_do(fp8_che
         checkpoint_experts(str(folder))
     with pytest.raises(ModelLoadError, match="quantized with awq"):
         load_model(str(folder), device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="transformers swaps in its own FP8 experts only on a GPU")
+def test_an_fp8_checkpoint_on_cuda_keeps_the_experts_module_the_engine_drives(fp8_checkpoint):
+    from duoserve.runtime.generation import generate
+
+    folder, _ = fp8_checkpoint
+    model, _ = load_model(str(folder), device="cuda", dtype="bfloat16")
+    experts = find_moe_layers(model)[0].experts
+    assert type(experts).__name__ == "Qwen3MoeExperts" and experts.gate_up_proj.dtype == torch.bfloat16
+    offloaded = generate(str(folder), PROMPTS, "duoserve", new_tokens=8, device="cuda", dtype="bfloat16")
+    # fp8 codes crossed PCIe (in bf16 a re-encoded scale may round apart from the checkpoint's: tokens not compared)
+    row = QuantLayout.of(ExpertLayout.of(expert_params(experts)), "fp8").nbytes
+    assert offloaded.expert_dtype == "fp8" and offloaded.counters["bytes_h2d"]["decode"] == \
+        offloaded.counters["copies"]["decode"] * row > 0
