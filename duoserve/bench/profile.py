@@ -28,8 +28,9 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
                 size and context length (the experts answering zeros through the experts interface): host time
                 (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
-                decoder layer of every timed pass, the median) and the device's kernel time (``decode_device_ms``, ``prefill_device_ms``: torch's profiler; the wall
-                time on the CPU)
+                decoder layer of every timed pass, the median) and the device's kernel time
+                (``decode_device_ms``, ``prefill_device_ms``: torch's profiler, fitted from 1 and ``layers``
+                decoder layers; the wall time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
 """
@@ -180,8 +181,9 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
     """(phase, tokens, host µs, experts fetched) of each of ``engine``'s layer calls in a real generation of ``batch``
-    prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them, the device waited
-    for before each call, so what is timed is the call's own host work, not a wait for its router."""
+    prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them,
+    the device waited for before each call, so what is timed is the call's own host work, not a wait for its
+    router."""
     calls = []
     run = engine.run_layer
 
