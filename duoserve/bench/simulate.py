@@ -16,8 +16,9 @@ over stand-ins that do no work but advance clocks by a device profile's costs (`
   compute   a group of experts with c_i tokens each costs the compute stream base + sum_i per_expert(c_i),
             both fitted from the profile's groups of 1 and k experts, and the host ``group_host_us`` for each
             group past a call's first
-  predictor a trained one runs on the host for its real predictions; each call costs the profile's predictor
-            call (host time, then device time on the predictor stream, which the prefetch waits for)
+  predictor a trained one runs on the host for its real predictions (computed 64 passes at a time in one batched
+            call, ``Simulator.predict_ahead``); each call costs the profile's predictor call (host time, then
+            device time on the predictor stream, which the prefetch waits for)
 
 and, per forward pass: each decoder layer's non-expert work, launched by the host over its wall time while its
 kernels run on the compute stream (``layer_ms``), the host waiting for its router (the engine reads every layer's
