@@ -61,17 +61,17 @@ def _dtype(dtype: str):
     return DTYPES[dtype]
 
 
-def checkpoint_experts(model: str, revision: str | None = None) -> str:
-    """How a checkpoint stores its weights, as an expert dtype: "fp8" for a block-wise FP8 checkpoint (the official
-    ones, such as Qwen3-30B-A3B-FP8: float8 e4m3 codes and a ``weight_scale_inv`` per 128 x 128 block), else "model".
-    Refuses another quantization method, whose loader replaces the experts module with one the engine cannot
-    drive."""
+def _config(model: str, revision: str | None = None):
+    """``model``'s transformers config, or a ``ModelLoadError`` that says why not."""
     from transformers import AutoConfig
 
     try:
-        config = AutoConfig.from_pretrained(_local_or_hub(model), revision=revision)
+        return AutoConfig.from_pretrained(_local_or_hub(model), revision=revision)
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"could not read a config for {model!r}: {err}") from err
+
+
+def _experts_format(config, model: str) -> str:
     quant = getattr(config, "quantization_config", None)
     if quant is None:
         return "model"
@@ -82,6 +82,14 @@ def checkpoint_experts(model: str, revision: str | None = None) -> str:
     raise ModelLoadError(f"{model} is quantized with {method} (block {block or '-'}); duoserve reads block-wise FP8 "
                          f"checkpoints ({FP8_BLOCK} x {FP8_BLOCK} blocks) and unquantized ones: load the model's "
                          "unquantized checkpoint and store its experts with --expert-dtype fp8 or int4")
+
+
+def checkpoint_experts(model: str, revision: str | None = None) -> str:
+    """How a checkpoint stores its weights, as an expert dtype: "fp8" for a block-wise FP8 checkpoint (the official
+    ones, such as Qwen3-30B-A3B-FP8: float8 e4m3 codes and a ``weight_scale_inv`` per 128 x 128 block), else "model".
+    Refuses another quantization method, whose loader replaces the experts module with one the engine cannot
+    drive."""
+    return _experts_format(_config(model, revision), model)
 
 
 def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: str | None = None):
@@ -97,14 +105,16 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: 
     torch_dtype = _dtype(dtype)
     path = _local_or_hub(model)
     target = resolve_device(device)
+    config = _config(model, revision)  # read once: its quantization decides how to load
     quantized = {"quantization_config": FineGrainedFP8Config(weight_block_size=(FP8_BLOCK, FP8_BLOCK),
                                                              dequantize=True)} \
-        if checkpoint_experts(model, revision) == "fp8" else {}
+        if _experts_format(config, model) == "fp8" else {}
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a bar per shard: the commands draw their own progress
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, revision=revision)
-        net = AutoModelForCausalLM.from_pretrained(path, revision=revision, dtype=torch_dtype, **quantized)
+        net = AutoModelForCausalLM.from_pretrained(path, config=config, revision=revision, dtype=torch_dtype,
+                                                   **quantized)
     except (OSError, ValueError, KeyError) as err:
         raise ModelLoadError(f"could not load model {model!r}: {err}") from err
     finally:
@@ -119,13 +129,10 @@ def load_model(model: str, device: str = "auto", dtype: str = "auto", revision: 
 def model_from_config(model: str, device: torch.device, dtype: str = "auto", layers: int | None = None):
     """The model (eval mode) built from ``model``'s config with random weights, directly on ``device``; ``layers``
     keeps that many decoder layers. dtype 'auto' is bfloat16 on a GPU, float32 on the CPU."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch_dtype = _dtype(dtype)
-    try:
-        config = AutoConfig.from_pretrained(_local_or_hub(model))
-    except (OSError, ValueError) as err:
-        raise ModelLoadError(f"could not read a config for {model!r}: {err}") from err
+    config = _config(model)
     if layers:
         text = config.get_text_config()
         text.num_hidden_layers = layers

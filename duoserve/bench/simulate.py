@@ -423,13 +423,14 @@ class Simulator:
         L, E, k = shape.num_layers, shape.num_experts, shape.top_k
         stores = [SimStore(shape.layout, costs, policy.pinned, expert_dtype) for _ in range(L)]
         deployed, next_gate = None, None
+        self._trained: _TimedPredictor | None = None  # a trained predictor, whose scores are computed ahead
         if policy.predict and predictor != "none":
             if predictor.startswith("oracle"):
                 deployed = OraclePredictor(self._routing, E, oracle_recall(predictor), seed)
             else:
                 artifact = load_predictor(predictor)
                 artifact.check_geometry(L, E, k)
-                deployed = _TimedPredictor(TrainedPredictor(artifact, "cpu"), self.streams, costs)
+                deployed = self._trained = _TimedPredictor(TrainedPredictor(artifact, "cpu"), self.streams, costs)
                 if deployed.nextgate:
                     next_gate = [None] + [self._next_gate_of(t, deployed.nextgate, deployed.nextgate_scores)
                                           for t in range(1, L)]
@@ -456,7 +457,7 @@ class Simulator:
         that the decode prefetch asks at some layer (``forward`` then reads them: one batched call, not one per
         layer; nothing for an oracle or no predictor)."""
         plan = self.scheduler.prefetch
-        if plan is None or not isinstance(plan.predictor, _TimedPredictor):
+        if self._trained is None or plan is None:
             return
         asks = [(l, t) for l in range(self.shape.num_layers) for t in plan.targets(l)]  # (layer, target)
         table = []
@@ -469,15 +470,15 @@ class Simulator:
                 features = plan.next_gate[t](None) if plan.next_gate else ()
                 table.append((id(p), history, t, t - l, features))
         self._nextgate = None
-        plan.predictor.fill(table)
+        self._trained.fill(table)
 
     def forward(self, p: Pass) -> float:
         """Simulate one forward pass; its wall milliseconds (host clock, the pass's token read at its end)."""
         s, costs, sched = self.streams, self.costs, self.scheduler
         start = s.host
         self._routing.current, self._nextgate = p.ids, p.nextgate
-        if sched.prefetch is not None and isinstance(sched.prefetch.predictor, _TimedPredictor):
-            sched.prefetch.predictor.key = id(p)
+        if self._trained is not None:
+            self._trained.key = id(p)
         sched.begin_pass(p.phase, p.batch)
         T = p.ids.shape[1]
         hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)

@@ -40,7 +40,8 @@ class GroupedFetch:
                 # waits for the copy stream's whole backlog on the H200, copies queued after it included (measured:
                 # full-layer's prefill idled its copy stream 5 ms every second layer), so it holds this compute
                 rows = self.compute.upload(routing.rows(hits, self.cache.slots), self.stream)
-                uploaded = self.streams.record(self.stream)
+                apart = self.stream is not self.streams.compute  # else stream order already holds the compute
+                uploaded = self.streams.record(self.stream) if apart else None
             with timers.stall.span():
                 self.cache.wait_ready(hits.values())
                 self.streams.wait(self.streams.compute, uploaded)
