@@ -311,7 +311,7 @@ def _oracle_decode(embedded, recall: float, new_tokens: int, on_engine=None,
     stores = offload(model, policy, "cpu")
     routing = RandomRouting(L, E, k, seed=3)
     try:
-        with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, E, recall), routing=routing,
+        with OffloadEngine(model, stores, policy, predictor=OraclePredictor(routing, L, E, recall), routing=routing,
                            settings=EngineSettings(**engine_args)) as engine:
             if on_engine:
                 on_engine(engine)
@@ -505,11 +505,11 @@ def test_random_routing_and_oracle_draws():
     counts = torch.bincount(ids.reshape(-1), minlength=E).float()
     assert counts.min() > 0.8 * counts.mean()  # uniform: 1500 draws per expert, sd about 36
     assert torch.equal(RandomRouting(3, E, k, seed=5).begin(2000), ids)  # seeded
-    oracle = OraclePredictor(routing, E, recall=0.5)
+    oracle = OraclePredictor(routing, 3, E, recall=0.5)
     guess = oracle.top(target=2)  # T x k
     assert guess.shape == (2000, k) and all(len(set(row)) == k for row in guess.tolist())  # k distinct guesses
     true = routing.ids(2)  # T x k
-    assert np.array_equal(OraclePredictor(routing, E).top(target=2), true)  # recall 1: the routing itself
+    assert np.array_equal(OraclePredictor(routing, 3, E).top(target=2), true)  # recall 1: the routing itself
     recall = np.mean([len(set(g) & set(t)) / k for g, t in zip(guess.tolist(), true.tolist())])
     assert 0.45 < recall < 0.55
 

@@ -76,7 +76,7 @@ def _engine_counts(model, tokenizer, policy, predictor, settings, batch: int, pr
     E, k = find_moe_layers(model)[0].experts.num_experts, model.config.num_experts_per_tok
     routing = RandomRouting(L, E, k, seed=0)
     if isinstance(predictor, str) and predictor.startswith("oracle"):
-        predictor = OraclePredictor(routing, E, float(predictor.partition(":")[2] or 1.0))
+        predictor = OraclePredictor(routing, L, E, float(predictor.partition(":")[2] or 1.0))
     elif predictor == "none":
         predictor = None
     ids = torch.randint(5, len(tokenizer), (batch, prompt), generator=torch.Generator().manual_seed(1))
@@ -183,10 +183,14 @@ def test_simulated_times_follow_the_profile(embedded):
 
 
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(
-        tmp_path, embedded_trace, embedded_predictor):
+        tmp_path, embedded_trace, embedded_predictor, monkeypatch):
     from typer.testing import CliRunner
 
+    from duoserve.bench import whatif
     from duoserve.cli.evaluate import app
+
+    simulated = []  # each configuration the study simulated
+    monkeypatch.setattr(whatif, "run", lambda sim, passes: simulated.append(sim) or run(sim, passes))
 
     out = tmp_path / "sim"
     result = CliRunner().invoke(app, [
@@ -214,6 +218,10 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     assert budgets[0]["peak_expert_bytes"] < budgets[-1]["peak_expert_bytes"]
     assert sum(budgets[-1]["bytes_h2d"].values()) <= sum(budgets[0]["bytes_h2d"].values())
     assert "simulated" in result.output and "simulate.json" in result.output  # the summary table, the files
+    points = len(saved["rows"]) + sum(map(len, saved["sweeps"].values()))
+    configs = {(r["policy"], r["predictor"], r["batch_size"], r["gpu_expert_budget"], r["lookahead"])
+               for r in saved["rows"] + [r for sweep in saved["sweeps"].values() for r in sweep]}
+    assert len(simulated) == len(configs) < points  # a sweep's point that is the grid's is simulated once
 
 
 def test_accuracy_report_ranks_scorers_by_what_they_buy(tmp_path, embedded_trace, embedded_predictor):

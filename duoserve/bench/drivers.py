@@ -122,21 +122,28 @@ class OraclePredictor:
 
     on_host = True
 
-    def __init__(self, routing: RoutingSource, num_experts: int, recall: float = 1.0, seed: int = 0):
+    def __init__(self, routing: RoutingSource, num_layers: int, num_experts: int, recall: float = 1.0, seed: int = 0):
         if not 0.0 <= recall <= 1.0:
             raise ValueError(f"oracle recall must be in [0, 1], got {recall}")
-        self.routing, self.E, self.recall = routing, num_experts, recall
+        self.routing, self.L, self.E, self.recall = routing, num_layers, num_experts, recall
         self.rng = np.random.default_rng(seed)
+        self._guesses: np.ndarray | None = None  # L x B x k of the current step, drawn at its first ``top``
+
+    def begin_step(self) -> None:
+        """A decode step starts: its routing is new."""
+        self._guesses = None
 
     def top(self, target: int) -> np.ndarray:
-        """B x k guessed experts of layer ``target``. numpy, not torch: a few tiny arrays, where each torch CPU op
-        costs the host a dispatch."""
-        true = self.routing.ids(target)  # B x k
+        """B x k guessed experts of layer ``target``. numpy, not torch: small arrays, where each torch CPU op costs
+        the host a dispatch; every layer's guesses of a step drawn at once (one draw, not one per layer)."""
         if self.recall == 1.0:
-            return true
-        B, k = true.shape
-        keep = self.rng.random((B, k)) < self.recall  # B x k
-        others = self.rng.random((B, self.E))  # B x E
-        others[np.arange(B)[:, None], true] = -1.0  # true experts last
-        wrong = np.argpartition(-others, k - 1, axis=1)[:, :k]  # B x k experts the token does not route to
-        return np.where(keep, true, wrong)
+            return self.routing.ids(target)  # B x k
+        if self._guesses is None:
+            true = np.stack([self.routing.ids(l) for l in range(self.L)])  # L x B x k
+            L, B, k = true.shape
+            keep = self.rng.random((L, B, k)) < self.recall  # L x B x k
+            others = self.rng.random((L, B, self.E))  # L x B x E
+            np.put_along_axis(others, true, -1.0, axis=2)  # true experts last
+            wrong = np.argpartition(-others, k - 1, axis=2)[..., :k]  # L x B x k experts the token does not route to
+            self._guesses = np.where(keep, true, wrong)
+        return self._guesses[target]

@@ -153,11 +153,11 @@ def _load_predictors(specs: list[str], routing: str) -> dict[str, ExpertPredicto
     return {spec: load_predictor(spec) for spec in specs if spec != "none" and not spec.startswith("oracle")}
 
 
-def _predictor(spec: str, routing, E: int, device: torch.device, loaded: dict[str, ExpertPredictor]):
+def _predictor(spec: str, routing, L: int, E: int, device: torch.device, loaded: dict[str, ExpertPredictor]):
     if spec == "none":
         return None
     if spec.startswith("oracle"):
-        return OraclePredictor(routing, E, oracle_recall(spec))
+        return OraclePredictor(routing, L, E, oracle_recall(spec))
     return loaded[spec] if spec in loaded else load_predictor(spec, device)
 
 
@@ -178,9 +178,9 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         put_experts(layers, stores[form], device)
         plugin = ExpertsPlugin(model, routing)
     else:
-        plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy,
-                                _predictor(predictor, routing, g.num_experts, device, loaded or {}), routing,
-                                s.engine, device)
+        deployed = _predictor(predictor, routing, g.num_layers, g.num_experts, device, loaded or {})
+        plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy, deployed,
+                                routing, s.engine, device)
     try:
         with plugin:
             # warm-up at full size: kernel loading, cuBLAS, allocator; a compiled decode step is compiled for its

@@ -63,6 +63,7 @@ class Study:
         self.shape.check(self.profile)
         self.costs = Costs(self.profile)
         self.requests = trace_requests(s.traces, self.shape, s.requests) if s.traces is not None else None
+        self._done: dict[tuple, dict] = {}  # (policy, predictor, batch, settings) -> its simulation
 
     def passes(self, batch: int) -> Iterator:
         s = self.s
@@ -81,12 +82,14 @@ class Study:
         pin = self.s.pin if not sweep and get_policy(policy).reuse and not get_policy(policy).prefetch_layer else ()
         settings = EngineSettings(gpu_expert_budget=budget if budget is not None else self.s.gpu_expert_budget,
                                   lookahead=lookahead or self.s.lookahead, pin=pin)
-        sim = Simulator(self.shape, self.costs, get_policy(policy), predictor, settings, self.s.expert_dtype,
-                        self.s.seed)
-        result = run(sim, self.passes(batch))
-        return {"policy": policy, "predictor": predictor if get_policy(policy).predict else None,
-                "batch_size": batch, "gpu_expert_budget": settings.gpu_expert_budget,
-                "lookahead": settings.lookahead, **result}
+        predictor = predictor if get_policy(policy).predict else None
+        key = (policy, predictor, batch, settings)
+        if key not in self._done:  # a sweep's point may be the grid's (or another sweep's): simulated once
+            sim = Simulator(self.shape, self.costs, get_policy(policy), predictor or "none", settings,
+                            self.s.expert_dtype, self.s.seed)
+            self._done[key] = run(sim, self.passes(batch))
+        return {"policy": policy, "predictor": predictor, "batch_size": batch,
+                "gpu_expert_budget": settings.gpu_expert_budget, "lookahead": settings.lookahead, **self._done[key]}
 
 
 def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:

@@ -42,6 +42,8 @@ class DecodePrefetch:
 
     def begin_step(self, batch: int) -> None:
         """A decode forward pass of ``batch`` sequences starts: a history of that size."""
+        if self.on_host:
+            self.predictor.begin_step()
         if self.history is None or len(self.history) != batch:
             self.history = torch.zeros(batch, self.L, self.k, dtype=torch.long, device=self.streams.device)
 

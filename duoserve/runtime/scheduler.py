@@ -130,7 +130,7 @@ class ExpertScheduler:
         with cpu("wait for routing"):
             routing = Routing(idx, self.E)
         targets = plan.targets(l) if plan is not None and self.phase == "decode" and plan.history is not None \
-            and len(plan.history) == len(idx) else []
+            and plan.history.shape[0] == idx.shape[0] else []
         # the predictor stream starts from the routing (a host-side predictor reads none of it)
         routed = self.streams.record() if targets and not plan.on_host else None
         if not self.policy.reuse:

@@ -45,4 +45,6 @@ class HostPredictor(Protocol):
 
     on_host = True
 
+    def begin_step(self) -> None: ...  # a decode step starts: the routing it knows is new
+
     def top(self, target: int) -> np.ndarray: ...  # B x k expert ids
