@@ -1,16 +1,20 @@
 #!/usr/bin/env bash
-# The offload simulator's H200 inputs, and the engine measured on what the simulator replays (PART=profiles,
-# qwen or embedded: a device call of a few minutes each; all three by default):
-#   1. device profiles (duoserve-run profile) of Qwen3-30B-A3B's shape and of the embedded model
-#      -> duoserve/bench/profiles/h200-{qwen3-30b-a3b,embedded}.json (shipped with the package)
-#   2. the engine on Qwen3-30B-A3B (16 of its 48 layers, random bf16 weights, uniform random routing): duoserve
-#      with oracle:0, 0.5, 0.9 and 1, on-demand, lru, full-layer and per-module at the default cache, and duoserve
-#      (oracle:0.9) and lru at a 2 GB cache; B = 1 and 8, prompt 512, 32 new tokens
-#      -> benchmarks/results/simulate_bench_qwen3-30b-a3b{,_2gb}_h200.json
-#   3. the embedded model on its own trace replayed with the predictor trained on it (make demo's out/traces and
-#      out/predictor, carried), in bf16 as its profile: duoserve (trained, none), on-demand, lru; B = 1 and 8,
-#      prompt 64, 16 new tokens,
-#      three rounds (a tiny model's times are host noise) -> benchmarks/results/simulate_bench_embedded_h200.json
+# The offload simulator's H200 inputs, and the engine measured on what the simulator replays (PART: any of
+# profiles, qwen, qwen-budget, embedded, space-separated; all by default; each a device call of a few minutes):
+#   profiles     device profiles (duoserve-run profile) of Qwen3-30B-A3B's shape and of the embedded model
+#                -> duoserve/bench/profiles/h200-{qwen3-30b-a3b,embedded}.json (shipped with the package)
+#   qwen         the engine on Qwen3-30B-A3B (16 of its 48 layers, random bf16 weights, uniform random routing):
+#                duoserve with oracle:0, 0.5, 0.9 and 1, on-demand, lru, full-layer and per-module at the default
+#                cache; B = 1 and 8, prompt 512, 32 new tokens
+#                -> benchmarks/results/simulate_bench_qwen3-30b-a3b_h200.json
+#   qwen-budget  duoserve (oracle:0.9) and lru at a 2 GB cache, the same shape and sizes
+#                -> benchmarks/results/simulate_bench_qwen3-30b-a3b_2gb_h200.json
+#   embedded     the embedded model on its own trace replayed with the predictor trained on it (make demo's
+#                out/traces and out/predictor, carried), in bf16 as its profile: duoserve (trained, none),
+#                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens -> benchmarks/results/simulate_bench_embedded_h200.json
+# Rounds: 3 of every Qwen configuration and 5 of the embedded one, interleaved (the bench's --repeats; the host's
+# speed drifts from run to run on a shared machine, by 10-40% in its per-op cost; the validation takes each
+# point's median). Profiles and benches belong on one machine instance: host costs differ between instances.
 # Then, on any machine: python benchmarks/simulate_validation.py (simulated against measured, the 10% table).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail
@@ -24,22 +28,25 @@ run() { python3 -m duoserve.cli.run "$@"; }
 grid=(--layers 4 --batch-size 1 --batch-size 4 --batch-size 8 --batch-size 16 --context 64 --context 512
       --context 2048 --tokens 1 --tokens 4 --tokens 16 --tokens 64 --tokens 256 --tokens 1024 --tokens 4096)
 qwen=(--model "$SHAPES/qwen3-30b-a3b" --config-only --layers 16 --routing random --prompt-len 512 --new-tokens 32
-      --batch-size 1 --batch-size 8)
-part=${PART:-all}
-if [ "$part" = all ] || [ "$part" = profiles ]; then
+      --batch-size 1 --batch-size 8 --repeats 3)
+part=" ${PART:-profiles qwen qwen-budget embedded} "
+want() { [[ "$part" == *" $1 "* ]]; }
+if want profiles; then
     run profile --model "$SHAPES/qwen3-30b-a3b" "${grid[@]}" --out "$PROFILES/h200-qwen3-30b-a3b.json"
     run profile --model embedded "${grid[@]}" --out "$PROFILES/h200-embedded.json"
 fi
-if [ "$part" = all ] || [ "$part" = qwen ]; then
+if want qwen; then
     run bench "${qwen[@]}" --policy duoserve --policy on-demand --policy lru --policy full-layer --policy per-module \
         --predictor oracle:0 --predictor oracle:0.5 --predictor oracle:0.9 --predictor oracle:1 \
         --out "$OUT/simulate_bench_qwen3-30b-a3b_h200.json"
+fi
+if want qwen-budget; then
     run bench "${qwen[@]}" --policy duoserve --policy lru --predictor oracle:0.9 --gpu-expert-budget 2GB \
         --out "$OUT/simulate_bench_qwen3-30b-a3b_2gb_h200.json"
 fi
-if [ "$part" = all ] || [ "$part" = embedded ]; then
+if want embedded; then
     run bench --model embedded --dtype bfloat16 --routing "$TRACE" --predictor "$PREDICTOR" --predictor none \
         --policy duoserve \
-        --policy on-demand --policy lru --batch-size 1 --batch-size 8 --prompt-len 64 --new-tokens 16 --repeats 3 \
+        --policy on-demand --policy lru --batch-size 1 --batch-size 8 --prompt-len 64 --new-tokens 16 --repeats 5 \
         --out "$OUT/simulate_bench_embedded_h200.json"
 fi
