@@ -26,6 +26,7 @@ chosen as victims; the other ``open_slots`` are managed as above. Callers size t
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,15 +114,17 @@ class ExpertCache:
     def lookup(self, key: Key) -> int | None:
         return self.slot_of.get(key)
 
-    def _touch(self, s: int) -> None:
-        """Slot ``s``'s key, score or recency changed: queue its new rank (empty slots rank lowest)."""
+    def _touch(self, slots: Iterable[int]) -> None:
+        """These slots' keys, scores or recency changed: queue their new ranks (empty slots rank lowest). One call
+        per batch of slots: a small cache keeps no ranking, and a decode step changes a few dozen slots a layer."""
         if self._heap is None:
             return
-        self._version[s] += 1
-        if self.key[s] in self.pinned:
-            return  # never a victim: out of the ranking
-        rank = (-1.0, -1) if self.key[s] is None else (self.wanted[s], self.used[s])
-        heapq.heappush(self._heap, (*rank, s, self._version[s]))
+        for s in slots:
+            self._version[s] += 1
+            if self.key[s] in self.pinned:
+                continue  # never a victim: out of the ranking
+            rank = (-1.0, -1) if self.key[s] is None else (self.wanted[s], self.used[s])
+            heapq.heappush(self._heap, (*rank, s, self._version[s]))
         if len(self._heap) > 2 * self.slots + 64:  # mostly stale: rebuild from the live entries
             self._heap = [entry for entry in self._heap if entry[3] == self._version[entry[2]]]
             heapq.heapify(self._heap)
@@ -169,7 +172,7 @@ class ExpertCache:
                 self.streams.wait(stream, self.free[s])  # the slot's last reader has run
             self.key[s], self.slot_of[(layer, e)] = (layer, e), s
             self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
-            self._touch(s)
+        self._touch(slots)
         store.copy_group(experts, slots, self._rows, self.streams, stream, self.scratch)
         self._dequantizing = store.dequantizes
         if phase is not None:
@@ -196,23 +199,23 @@ class ExpertCache:
         self.clock += 1
         for s in slots:
             self.free[s], self.used[s], self.wanted[s] = event, self.clock, 0.0
-            self._touch(s)
+        self._touch(slots)
 
     def forget(self) -> None:
         """Drop every key but the pinned ones (the slots' contents stay until refilled)."""
         self.slot_of = {key: s for key, s in self.slot_of.items() if key in self.pinned}
-        for s, key in enumerate(self.key):
-            if key is not None and key not in self.pinned:
-                self.key[s] = None
-                self._touch(s)
+        dropped = [s for s, key in enumerate(self.key) if key is not None and key not in self.pinned]
+        for s in dropped:
+            self.key[s] = None
+        self._touch(dropped)
 
     def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:
         """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
         has spoken: scores given to its experts ahead of time are moot, and its predicted copies are settled."""
-        for e in self._wanted_for.pop(layer, ()):
-            if (s := self.slot_of.get((layer, e))) is not None:
-                self.wanted[s] = 0.0
-                self._touch(s)
+        moot = [s for e in self._wanted_for.pop(layer, ()) if (s := self.slot_of.get((layer, e))) is not None]
+        for s in moot:
+            self.wanted[s] = 0.0
+        self._touch(moot)
         hits = {e: s for e in needed if (s := self.slot_of.get((layer, e))) is not None}
         self.stats.lookups[phase] += len(needed)
         self.stats.hits[phase] += len(hits)
@@ -225,26 +228,26 @@ class ExpertCache:
         besides the ``busy`` keys (which stay), on the copy stream; cached ones only get their score raised.
         ``predicted``: counted in the prefetch statistics (the prefill look-ahead is not a prediction)."""
         ranked = ranked[:self.room(busy)]
-        self._wanted_for.setdefault(layer, set()).update(e for e, _ in ranked)
-        fetch = []
-        for e, score in ranked:
-            if (s := self.slot_of.get((layer, e))) is None:
+        keys = [(layer, e) for e, _ in ranked]
+        self._wanted_for.setdefault(layer, set()).update([e for e, _ in ranked])
+        fetch, raised = [], []
+        for key, (e, score) in zip(keys, ranked):
+            if (s := self.slot_of.get(key)) is None:
                 fetch.append((e, score))
-            else:
-                if score > self.wanted[s]:
-                    self.wanted[s] = score
-                    self._touch(s)
+            elif score > self.wanted[s]:
+                self.wanted[s] = score
+                raised.append(s)
+        self._touch(raised)
         if fetch:
             experts = [e for e, _ in fetch]
-            self.fetch(layer, experts, store, phase, {(layer, e) for e, _ in ranked} | busy,
-                       wanted=[score for _, score in fetch])
+            self.fetch(layer, experts, store, phase, busy.union(keys), wanted=[score for _, score in fetch])
             if predicted:
                 self.stats.prefetched += len(experts)
                 self._predicted_for.setdefault(layer, set()).update(experts)
 
     def wait_ready(self, slots) -> None:
         """Make the compute stream wait until ``slots``' copies have landed (a group's slots share one event)."""
-        for event in {id(e): e for e in (self.ready[s] for s in slots)}.values():
+        for event in {id(e): e for e in map(self.ready.__getitem__, slots)}.values():
             self.streams.wait(self.streams.compute, event)
 
 
