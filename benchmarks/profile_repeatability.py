@@ -4,8 +4,9 @@ any agreement between the simulator and the engine, whose host-bound steps are m
     python benchmarks/profile_repeatability.py --model embedded --rounds 3 \
         --out benchmarks/results/profile_repeatability_h200.json
 
-Measures the profile (``duoserve.bench.profile``, the settings of ``benchmarks/simulate_h200.sh``) ``--rounds``
-times back to back and reports, for each cost the simulator reads, every round's value and the spread (the
+Measures the profile (``duoserve.bench.profile``, at 4 layers as ``benchmarks/simulate_h200.sh`` does, on a smaller
+grid of batch sizes, contexts and token counts that holds the operating points read below) ``--rounds`` times back
+to back and reports, for each cost the simulator reads, every round's value and the spread (the
 largest over the smallest): host costs (a layer call's, a fetch's, a compute group's, a copy's queueing, each
 decoder layer's and each pass's own launch time, a predictor call's), the per-module fetch, and the device's
 (a copy's bandwidth, an expert group's kernel time) for contrast.
@@ -47,7 +48,7 @@ def costs(p: dict) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     ap = parser(__doc__, geometry=None)
     ap.add_argument("--model", default="embedded", help="a config (hub id, local path) or embedded")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3, help="profiles measured back to back")
     args = ap.parse_args(argv)
     settings = ProfileSettings(args.model, layers=4, batch_sizes=[1, 8], contexts=[64, 512], tokens=[1, 16, 256])
     rounds = [costs(profile(settings)) for _ in range(args.rounds)]

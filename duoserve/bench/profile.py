@@ -213,7 +213,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
     inside real generations (``_timed_calls``); ``fetch``: what each expert fetched on a miss adds, by cache size (a
     scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``group``: what each compute
-    group beyond a call's first adds (the prefill schedule's groups)."""
+    group beyond a call's first adds (the prefill schedule's groups); ``module``: the milliseconds of one expert
+    fetched per module (``_module_fetch_ms``, from these experts in the per-module policies' pageable stores)."""
     layers = find_moe_layers(model)
     stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
     model.to(device)

@@ -362,7 +362,8 @@ class _TimedPredictor:
 
     Its scores are a function of the token's routing up to the layer running, the target, the depth and the
     target's next-gate features only, so ``fill`` computes those of many passes in one batched call, and a call of
-    the schedule takes them from the table (scores equal to one call per layer up to float rounding)."""
+    the schedule takes them from the table (scores equal to one call per layer up to float rounding); a pass not
+    filled ahead (``Simulator.forward`` driven without ``run``) is scored per call."""
 
     on_host = False
 
