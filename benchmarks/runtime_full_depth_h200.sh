@@ -7,7 +7,8 @@
 #                    prompt 512, then prompt 128 and 2048 at B=1 (--grid axes)
 #                    -> runtime_full_qwen3-30b-a3b_h200.json
 #   PART=accelerate  Accelerate's pinned offload and the eager all-resident reference, B=1 and 8, prompt 512, for
-#                    Qwen (bf16) and Mixtral (bf16: its 90 GB per-module copy is the process's only one)
+#                    Qwen (bf16) and Mixtral (bf16: its 90 GB per-module copy is the process's only one); MODELS
+#                    picks one of them (default both, in that order)
 #                    -> runtime_full_accelerate_{qwen3-30b-a3b,mixtral-8x7b}_h200.json
 #   PART=mixtral     Mixtral with experts stored fp8 (45 GB; bf16 and a second copy would not fit beside it):
 #                    duoserve (oracle:1), on-demand, lru and both all-resident references (put back dequantized),
@@ -33,7 +34,7 @@ qwen)
         --predictor oracle:1 --policy duoserve --policy on-demand --policy lru --policy all-resident \
         --policy all-resident-compiled --out "$OUT/runtime_full_qwen3-30b-a3b_h200.json" ;;
 accelerate)
-    for model in qwen3-30b-a3b mixtral-8x7b; do
+    for model in ${MODELS:-qwen3-30b-a3b mixtral-8x7b}; do
         bench --model "$SHAPES/$model" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 8 \
             --policy accelerate-pinned --policy all-resident --out "$OUT/runtime_full_accelerate_${model}_h200.json"
     done ;;
