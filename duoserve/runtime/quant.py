@@ -20,8 +20,8 @@ dequantize-then-grouped-GEMM path), and ``ExpertCache.seal`` marks the slots rea
 staging buffers alternate, so the next copy overlaps this dequantization: the copy engine never idles behind it.
 Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4). A decode step
 is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
-``STAGE_BYTES`` of cache rows) into a scratch of cache rows, then copied into their slots; an expert larger than
-that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the
+``STAGE_BYTES`` of cache rows) into a scratch of cache rows, each pass one CUDA-graph replay on a GPU, then copied
+into their slots; an expert larger than that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the
 engine and by the reference model the tests compare against, so both round the same way.
 """
 
@@ -136,7 +136,8 @@ def _int4_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout, out: torch.Tensor) -> None:
     """Write n stored rows (n x Q uint8) into n packed rows ``out`` (n x P, the cache's dtype), on the current
-    stream of their device."""
+    stream of their device. fp8 reads the rows in place (strided views, no temporaries): a cast and a multiply per
+    matrix."""
     n = len(stored)
     views = layout.views(out)
     for seg in qlayout.segments:
@@ -145,17 +146,19 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
         if seg.kind == "raw":
             dst.copy_(codes.contiguous().view(layout.dtype).view(dst.shape))
             continue
-        scale = stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes].contiguous().view(torch.float32)
+        # every segment starts 16-byte aligned and Q is a multiple of 16: a float32 view of the strided rows
+        scale = stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes].view(torch.float32)
         R, C = seg.shape
         if seg.kind == "fp8":
             br, bc = _block(R), _block(C)
             blocks = dst.view(n, R // br, br, C // bc, bc)
-            blocks.copy_(codes.contiguous().view(_FP8).view(blocks.shape))  # exact: every e4m3 value is a bf16 value
-            blocks.mul_(scale.view(n, R // br, 1, C // bc, 1))
+            # exact: every e4m3 value is a bf16 value
+            blocks.copy_(codes.view(_FP8).unflatten(1, (R // br, br, C // bc, bc)))  # n x R/br x br x C/bc x bc
+            blocks.mul_(scale.unflatten(1, (R // br, 1, C // bc, 1)))
         else:
             g = _block(C)
             values = _int4_lut(dst.dtype, dst.device).index_select(0, codes.reshape(-1).int())  # (n*R*C/2) x 2
-            torch.mul(values.view(n, R, C // g, g), scale.view(n, R, C // g, 1), out=dst.view(n, R, C // g, g))
+            torch.mul(values.view(n, R, C // g, g), scale.unflatten(1, (R, C // g, 1)), out=dst.view(n, R, C // g, g))
 
 
 def stored_nbytes(layout: ExpertLayout, fmt: str) -> int:
@@ -221,10 +224,10 @@ class QuantizedExperts(HostExperts):
                 streams.copy_to_device(stage.stored[b][j], self._rows[e], stream)
             streams.wait(work, streams.record(stream))
             with streams.on(work):
-                if n == 1:
+                if self.chunk < 2:  # an expert over STAGE_BYTES: straight into its slot
                     dequantize(stage.stored[b][:1], self.qlayout, self.layout, rows[targets[0]][None])
                 else:
-                    dequantize(stage.stored[b][:n], self.qlayout, self.layout, stage.rows[b][:n])
+                    stage.dequantize(b, n)
                     for j, s in enumerate(targets):
                         rows[s].copy_(stage.rows[b][j])
             stage.read[b] = streams.record(work)
@@ -239,19 +242,38 @@ class QuantizedExperts(HostExperts):
 class _Staging:
     """Device buffers for one stream's fetches, two of each so a copy overlaps the last one's dequantization:
     ``stored`` (chunk x Q bytes), ``rows`` (chunk x P, for passes of several experts) and the event of each
-    buffer's last read."""
+    buffer's last read. On a GPU a pass over n staged experts is a CUDA graph per (buffer, n), captured at its first
+    pass: one launch where the eager pass takes two to four per parameter, plus the views around them, in host time,
+    which a decode step's prefetch is short of."""
 
     def __init__(self, store: QuantizedExperts, device: torch.device, chunk: int):
+        self.qlayout, self.layout = store.qlayout, store.layout
         self.stored = [torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.rows = [torch.empty(chunk if chunk > 1 else 0, store.layout.numel, dtype=store.layout.dtype,
                                  device=device) for _ in range(2)]
         self.read: list = [None, None]
         self._next = 0
+        # one memory pool (int4's look-up temporaries): the graphs replay one after another on the dequant stream
+        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def flip(self) -> int:
         """The buffer pair to use next."""
         self._next ^= 1
         return self._next
+
+    def dequantize(self, b: int, n: int) -> None:
+        """Dequantize ``stored[b][:n]`` into ``rows[b][:n]`` on the current stream."""
+        if (graph := self._graphs.get((b, n))) is not None:
+            graph.replay()
+            return
+        src, dst = self.stored[b][:n], self.rows[b][:n]
+        dequantize(src, self.qlayout, self.layout, dst)  # this pass's work, and the kernels' warm-up
+        if self._pool is not None:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):  # synchronises the device: once per (buffer, n)
+                dequantize(src, self.qlayout, self.layout, dst)
+            self._graphs[b, n] = graph
 
 
 def make_store(params: dict[str, torch.Tensor], fmt: str, pin: bool) -> HostExperts:
