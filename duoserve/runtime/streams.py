@@ -67,14 +67,15 @@ class Streams:
         return "torch copy_" if self._memcpy is None else "cudaMemcpyAsync"
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
-        """Queue the copy of host tensor ``src`` into device tensor ``dst`` (both contiguous, same size) on
-        ``stream``, without blocking the host where ``src`` is pinned. The runtime call records nothing with
-        torch's allocators, so both must outlive the copy: expert stores and the cache do, as the engine
-        synchronises its streams on exit."""
+        """Queue the copy of host or device tensor ``src`` into device tensor ``dst`` (both contiguous, same size)
+        on ``stream``, without blocking the host where ``src`` is pinned or on the device. The runtime call records
+        nothing with torch's allocators, so both must outlive the copy: expert stores, the cache and its staging
+        buffers do, as the engine synchronises its streams on exit."""
         if self._memcpy is None:
             with self.on(stream):
                 dst.copy_(src, non_blocking=self.cuda)
-        elif error := self._memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes, _HOST_TO_DEVICE, stream.cuda_stream):
+        elif error := self._memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes,
+                                   _DEVICE_TO_DEVICE if src.is_cuda else _HOST_TO_DEVICE, stream.cuda_stream):
             raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {error}")
 
     def synchronize(self) -> None:
@@ -82,7 +83,7 @@ class Streams:
             torch.cuda.synchronize(self.device)
 
 
-_HOST_TO_DEVICE = 1  # cudaMemcpyKind
+_HOST_TO_DEVICE, _DEVICE_TO_DEVICE = 1, 3  # cudaMemcpyKind
 
 
 def runtime_memcpy():
