@@ -17,7 +17,7 @@ import duoserve.runtime.cache as cache_module
 import duoserve.runtime.experts as experts_module
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.cli.run import app as run_app
-from duoserve.discovery import find_moe_layers
+from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime import (
@@ -30,6 +30,8 @@ from duoserve.runtime import (
     parse_bytes,
     timed_generate,
 )
+from duoserve.runtime.generation import kv_cache
+from duoserve.runtime.stepgraph import decoder_layers
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
@@ -908,6 +910,85 @@ def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_
     assert results[True][2] is None and len(results[False][2]._graphs) > 0  # replays did run
     assert torch.equal(results[True][0], results[False][0])
     assert results[False][1]["prefetched"] > 0 and results[False][1]["predictor_ms"] > 0
+
+
+def _static_generations(model, tokenizer, device, settings: EngineSettings, oracle: bool, rounds: int = 2,
+                        new_tokens: int = 10):
+    """Sequences of ``rounds`` generations of exactly ``new_tokens`` under duoserve (with ``oracle``: oracle:1 on
+    random routing, else the model's routers and no predictor) on one reused static KV cache, and the engine's stats;
+    the model is restored after."""
+    policy = POLICIES["duoserve"]
+    g = moe_geometry(model, find_moe_layers(model))
+    routing = RandomRouting(g.num_layers, g.num_experts, g.top_k, seed=0, device=device) if oracle else None
+    predictor = OraclePredictor(routing, g.num_layers, g.num_experts, 1.0) if oracle else None
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(device)
+    cache = kv_cache(model, batch.input_ids.shape[1] + new_tokens)
+    stores = offload(model, policy, device)
+    try:
+        with OffloadEngine(model, stores, policy, predictor, routing, settings) as engine:
+            tokens = [timed_generate(model, batch.input_ids, batch.attention_mask, new_tokens, fixed_length=True,
+                                     cache=cache)[0] for _ in range(rounds)]
+            return tokens, engine.stats()
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+
+
+def test_generations_on_a_reused_static_cache_equal_the_models_own(embedded):
+    model, tokenizer = embedded
+    reference = _generate(model, tokenizer, new_tokens=10)[0]
+    batch = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    cache = kv_cache(model, batch.input_ids.shape[1] + 10)
+    for _ in range(2):  # the second generation starts from a reset cache
+        tokens = timed_generate(model, batch.input_ids, batch.attention_mask, 10, cache=cache)[0]
+        assert torch.equal(tokens, reference)
+    policy = POLICIES["duoserve"]
+    stores = offload(model, policy, "cpu")
+    try:
+        engine = OffloadEngine(model, stores, policy)
+        assert engine.step_graphs is None and not engine.static_cache  # a CPU has no CUDA graphs to replay
+        with engine:
+            tokens = timed_generate(model, batch.input_ids, batch.attention_mask, 10, cache=cache)[0]
+    finally:
+        put_experts(find_moe_layers(model), stores, "cpu")
+    assert torch.equal(tokens, reference)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_decoder_layers_are_found_from_an_experts_path(arch, arch_models):
+    model = load_model(str(arch_models[arch]), device="cpu")[0]
+    first = find_moe_layers(model)[0]  # deepseek_v3: layer 0 is dense, its first MoE layer is decoder layer 1
+    layers = decoder_layers(model, first.name, first.decoder_index)
+    assert layers is model.model.layers and len(layers) == model.config.num_hidden_layers
+    assert layers[first.decoder_index].mlp.experts is first.experts
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="step graphs are CUDA graphs")
+@pytest.mark.parametrize("arch", ["embedded", "qwen3_moe", "mixtral", "deepseek_v3"])
+def test_decode_steps_replayed_from_step_graphs_generate_what_eager_steps_do(arch, embedded, arch_models):
+    # deepseek_v3: a dense first layer (one graph, no experts call) and a shared expert after the routed ones
+    model, tokenizer = embedded if arch == "embedded" else load_model(str(arch_models[arch]), device="cpu")
+    model = copy.deepcopy(model)
+    runs = {graphs: _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=graphs),
+                                        oracle=arch != "embedded") for graphs in (False, True)}
+    (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
+    for e, g in zip(eager, graphed):
+        assert torch.equal(e, g)
+    layers = model.config.num_hidden_layers
+    # 9 decode steps a generation: the first generation's first runs eagerly, its second is captured (replayed once
+    # captured, not counted), the rest replay; the second generation, on the same cache, replays every step
+    assert graphed_stats["graphed_layer_calls"] == (7 + 9) * layers and eager_stats["graphed_layer_calls"] == 0
+    for key in ("bytes_h2d", "copies", "hit_rate", "prefetched"):
+        assert graphed_stats[key] == eager_stats[key], key
+    if arch == "embedded":
+        batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to("cuda")
+        model.to("cuda")
+        try:
+            reference = timed_generate(model, batch.input_ids, batch.attention_mask, 10, fixed_length=True)[0]
+        finally:
+            model.cpu()
+        assert torch.equal(graphed[1], reference)
+    assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # the layers' own forward again
 
 
 def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(tmp_path, arch_models):

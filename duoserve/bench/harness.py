@@ -29,7 +29,7 @@ from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model, model_from_config, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
-from duoserve.runtime.generation import offload_plugin, timed_generate
+from duoserve.runtime.generation import kv_cache, offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
@@ -181,18 +181,20 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         deployed = _predictor(predictor, routing, g.num_layers, g.num_experts, device, loaded or {})
         plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy, deployed,
                                 routing, s.engine, device)
+    # an engine's step graphs are captured on the warm-up's static cache (its second decode step) and replayed after
+    cache = kv_cache(model, input_ids.shape[1] + max(new_tokens, 3)) if getattr(plugin, "static_cache", False) else None
     try:
         with plugin:
             # warm-up at full size: kernel loading, cuBLAS, allocator; a compiled decode step is compiled for its
             # static cache's length, so its warm-up generates as many tokens as the timed run
-            timed_generate(model, input_ids, mask, new_tokens if policy.compiled else 2, fixed_length=True,
-                           static_cache=policy.compiled)
+            timed_generate(model, input_ids, mask, new_tokens if policy.compiled else 2 + (cache is not None),
+                           fixed_length=True, static_cache=policy.compiled, cache=cache)
             if not policy.resident:
                 plugin.reset_stats()
             gc.collect()
             op_us = host_op_us(device)
             _, timing = timed_generate(model, input_ids, mask, new_tokens, fixed_length=True,
-                                       static_cache=policy.compiled)
+                                       static_cache=policy.compiled, cache=cache)
             counters = {} if policy.resident else plugin.stats()
     finally:
         if policy.resident:
@@ -200,7 +202,7 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         if policy.compiled:  # the compiled step and its CUDA graphs' memory pool go with the run
             model.__dict__.pop("_compiled_call", None)
             torch.compiler.reset()
-        del plugin
+        del plugin, cache
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"policy": policy.name, "predictor": predictor if policy.predict else None, "expert_dtype": expert_dtype,

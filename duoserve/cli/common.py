@@ -143,6 +143,9 @@ LookaheadOption = Annotated[int, typer.Option(
          "needs heads that deep (duoserve-train fit --lookahead D, D >= d); oracles take any.")]
 EagerOption = Annotated[bool, typer.Option(
     help="Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py).")]
+StepGraphsOption = Annotated[bool, typer.Option(
+    help="On a GPU, replay each decode step's attention, norms and routers from CUDA graphs around the experts "
+         "calls, on a static KV cache (see duoserve/runtime/stepgraph.py).")]
 MinScoreOption = Annotated[float, typer.Option(
     help="Decode prefetch (duoserve): copy ahead only predicted experts scored at least this, 0-1 (a trained "
          "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.", min=0.0, max=1.0)]
@@ -169,7 +172,7 @@ def pin_keys(spec: Optional[str]) -> tuple[tuple[int, int], ...]:
 
 
 def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_score: float,
-                    pin: Optional[str] = None) -> EngineSettings:
+                    pin: Optional[str] = None, step_graphs: bool = ENGINE.step_graphs) -> EngineSettings:
     """The engine options of a command as one settings object."""
     return EngineSettings(gpu_expert_budget=parse_bytes(budget) if budget else None, lookahead=lookahead,
-                          eager=eager, prefetch_min_score=min_score, pin=pin_keys(pin))
+                          eager=eager, step_graphs=step_graphs, prefetch_min_score=min_score, pin=pin_keys(pin))

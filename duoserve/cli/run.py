@@ -17,6 +17,7 @@ from duoserve.cli.common import (
     ModelOption,
     PinOption,
     PolicyHelp,
+    StepGraphsOption,
     console,
     engine_settings,
     gb,
@@ -58,6 +59,7 @@ def generate(
     gpu_expert_budget: BudgetOption = None,
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
+    step_graphs: StepGraphsOption = ENGINE.step_graphs,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     pin: PinOption = None,
     expert_dtype: Annotated[str, typer.Option(help=ExpertDtypeHelp + " auto: fp8 for a block-wise FP8 checkpoint "
@@ -74,7 +76,7 @@ def generate(
     with user_errors():
         if out:
             check_output(out)
-        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin)
+        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin, step_graphs)
         result = run_generate(model, prompt or default_prompts(), policy, predictor, new_tokens, settings, device,
                               dtype, expert_dtype)
     for p, text in zip(result.prompts, result.texts):
@@ -130,6 +132,7 @@ def bench_cmd(
         min=1, help="Rounds over every configuration, interleaved (timings drift on shared machines).")] = 1,
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
+    step_graphs: StepGraphsOption = ENGINE.step_graphs,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     pin: PinOption = None,
     expert_dtype: Annotated[Optional[list[str]], typer.Option(
@@ -148,7 +151,8 @@ def bench_cmd(
                           prompt_lens=prompt_len or [512], grid=grid, new_tokens=new_tokens,
                           baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
-                          engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin),
+                          engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin,
+                                                 step_graphs),
                           expert_dtypes=expert_dtype or ["model"])
         with progress("policies", total=s.run_count()) as update:
             def on_run(run: dict, so_far: dict) -> None:  # what was measured survives a stopped bench

@@ -5,7 +5,9 @@ Shape legend: T tokens in a forward pass, H hidden size, L MoE layers, E experts
 It plugs in through transformers' experts interface (``plugin.py``), and each MoE layer's call runs the
 schedule of ``scheduler.py`` (routing read, cache look-up, misses fetched, prefill grouping, decode prefetch)
 over the model's experts on the device: ``experts.SlotCompute`` computes from the cache's slots, a decode call
-whose experts all fit replayed from a CUDA graph where one can be captured.
+whose experts all fit replayed from a CUDA graph where one can be captured. On a GPU the rest of a decode step
+(attention, norms, routers) replays from CUDA graphs too, a piece per stretch between experts calls
+(``stepgraph.py``), so a step's host time is the engine's own.
 
 ``cpu-experts`` skips the schedule: the hidden states go to the host, the routed experts run there on the CPU,
 read in place from the packed stores (the same grouped kernels, every expert its own group), and the output
@@ -26,6 +28,7 @@ from duoserve.runtime.policies import Policy
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import HostPredictor, LayerPredictor, RoutingSource
+from duoserve.runtime.stepgraph import StepGraphs, decoder_layers
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import Streams
 
@@ -66,6 +69,10 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
                              "cannot be stored quantized")
         self._host_views = [SlotView(layer.experts, store.layout.views(store.packed), self.E) for layer, store in
                             zip(self.layers, stores)] if policy.host_compute else None
+        if settings.step_graphs and not settings.eager and self.device.type == "cuda":
+            first = self.layers[0]
+            self.step_graphs = StepGraphs(decoder_layers(model, first.name, first.decoder_index),
+                                          self._experts_forward, lambda: self.phase == "decode")
 
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor
@@ -82,6 +89,16 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
     def __exit__(self, *exc) -> None:
         self.streams.synchronize()
         super().__exit__(*exc)
+
+    def reset_stats(self) -> None:
+        super().reset_stats()
+        if self.step_graphs is not None:
+            self.step_graphs.captured = self.step_graphs.replayed = 0
+
+    def stats(self) -> dict:
+        """The schedule's counters (``ExpertScheduler.stats``) and the decoder-layer calls replayed from step
+        graphs."""
+        return {**super().stats(), "graphed_layer_calls": self.step_graphs.replayed if self.step_graphs else 0}
 
     def _begin_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         super()._begin_forward(module, args, kwargs)

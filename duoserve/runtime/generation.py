@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from transformers import StaticCache
+from transformers.generation import utils as generation_utils
 from transformers.generation.streamers import BaseStreamer
 
 from duoserve.discovery import find_moe_layers
@@ -81,12 +83,28 @@ class _StepClock(BaseStreamer):
         pass
 
 
+def kv_cache(model: nn.Module, max_len: int) -> StaticCache:
+    """A static KV cache of ``max_len`` tokens for ``model``, to hand to ``timed_generate`` for one batch size again
+    and again: an engine's step graphs (``stepgraph.py``) address its tensors, so they are captured once for all
+    generations on it."""
+    return StaticCache(config=model.config, max_cache_len=max_len)
+
+
+def _cache_kwargs(cache: StaticCache) -> dict:
+    # transformers renamed generate's past_key_values to cache (5.2x); the old name warns there
+    name = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
+    cache.reset()
+    return {name: cache, "disable_compile": True}
+
+
 def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int,
-                   fixed_length: bool = False, static_cache: bool = False) -> tuple[torch.Tensor, dict]:
+                   fixed_length: bool = False, static_cache: bool = False,
+                   cache: StaticCache | None = None) -> tuple[torch.Tensor, dict]:
     """Greedy generation of up to ``new_tokens`` (exactly, with ``fixed_length``) and its timings.
 
     ``static_cache``: a static KV cache, with which transformers' ``generate`` compiles the decode step
     (``torch.compile``, CUDA graphs; on a GPU, or wherever ``generation_config.compile_config`` allows it).
+    ``cache``: a static KV cache to generate on instead (``kv_cache``), reset first, with no compiled step.
 
     Returns the B x (S + N) sequences and ttft_s (prompt in -> first token out), tpot_ms (mean gap
     between later tokens), e2e_s, new_tokens, and peak_gpu_bytes (allocator peak during the call, GPU only).
@@ -106,7 +124,8 @@ def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
         out = model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens if fixed_length else None, do_sample=False,
                              streamer=clock, pad_token_id=pad,
-                             cache_implementation="static" if static_cache else None)
+                             **(_cache_kwargs(cache) if cache is not None else
+                                {"cache_implementation": "static" if static_cache else None}))
     if cuda:
         torch.cuda.synchronize(device)
     end = time.perf_counter()
@@ -163,10 +182,11 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
         stores = offload(net, chosen, target, expert_dtype)
         plugin = offload_plugin(net, stores, chosen, scorer, settings=settings, device=target)
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
+    cache = kv_cache(net, batch.input_ids.shape[1] + new_tokens) if getattr(plugin, "static_cache", False) else None
     try:
         with plugin:
             out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens,
-                                         static_cache=chosen.compiled)
+                                         static_cache=chosen.compiled, cache=cache)
             counters = {} if chosen.resident else plugin.stats()
     finally:
         if stores is not None:

@@ -2,8 +2,9 @@
 
 Inside ``with ExpertsPlugin(model)`` every experts module of the model (``duoserve.discovery``) calls
 ``run_layer`` through an experts implementation registered under the plugin's own name, and a
-forward pre-hook tells prefill from decode; leaving the ``with`` restores the model's own
-implementation and removes both. Nothing is replaced globally.
+forward pre-hook tells prefill from decode; with ``step_graphs`` the decoder layers' decode calls
+are graphed around the experts calls (``stepgraph.py``). Leaving the ``with`` restores the model's
+own implementation and forwards and removes the hook. Nothing is replaced globally.
 
 Shape legend: T tokens in a forward pass, B sequences, S tokens per sequence, H hidden size,
 L MoE layers, k top-k.
@@ -17,6 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.runtime.sources import RoutingSource
+from duoserve.runtime.stepgraph import StepGraphs
 
 
 class ExpertsPlugin:
@@ -33,17 +35,29 @@ class ExpertsPlugin:
         self.device = next(model.parameters()).device
         self.phase, self.batch = "prefill", 0
         self._routed: torch.Tensor | None = None  # L x T x k: the routing source's choice for this forward
+        self.step_graphs: StepGraphs | None = None  # the decode step's layers graphed around the experts calls
 
     def __enter__(self):
         self._previous = self.model.config._experts_implementation
         self._kernels = [ALL_EXPERTS_FUNCTIONS.get_interface(self._previous, type(layer.experts).forward.__wrapped__)
                          for layer in self.layers]
-        ALL_EXPERTS_FUNCTIONS[self._name] = self._experts_forward
+        experts = self._experts_forward
+        if self.step_graphs is not None:
+            experts = self.step_graphs.__enter__().experts_call
+        ALL_EXPERTS_FUNCTIONS[self._name] = experts
         self.model.set_experts_implementation(self._name)
         self._hook = self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         return self
 
+    @property
+    def static_cache(self) -> bool:
+        """Whether generations under this plugin need a static KV cache (``generation.kv_cache``): its step graphs
+        address the cache's tensors."""
+        return self.step_graphs is not None
+
     def __exit__(self, *exc) -> None:
+        if self.step_graphs is not None:
+            self.step_graphs.__exit__(*exc)
         self._hook.remove()
         self.model.set_experts_implementation(self._previous)
         del ALL_EXPERTS_FUNCTIONS[self._name]

@@ -25,7 +25,10 @@ class EngineSettings:
     ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a step
     predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor needs heads that deep
     (``duoserve-train fit --lookahead D`` with D >= d); oracles take any d.
-    ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used).
+    ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used), nor the decode
+    step's layers.
+    ``step_graphs``: on a GPU, replay a decode step's work outside the experts (attention, norms, routers) from
+    CUDA graphs, a piece per stretch between experts calls, on a static KV cache (``stepgraph.py``).
     ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
     are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
     ``pin``: (layer, expert) keys to keep resident for the whole run, best first (``cache.popular_keys``): as many
@@ -35,6 +38,7 @@ class EngineSettings:
     gpu_expert_budget: int | None = None
     lookahead: int = 1
     eager: bool = False
+    step_graphs: bool = True
     prefetch_min_score: float = 0.0
     pin: tuple[tuple[int, int], ...] = ()
 
