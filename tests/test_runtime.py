@@ -31,7 +31,7 @@ from duoserve.runtime import (
     timed_generate,
 )
 from duoserve.runtime.generation import kv_cache
-from duoserve.runtime.stepgraph import decoder_layers
+from duoserve.runtime.stepgraph import StepGraphs, decoder_layers
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
@@ -960,6 +960,32 @@ def test_decoder_layers_are_found_from_an_experts_path(arch, arch_models):
     layers = decoder_layers(model, first.name, first.decoder_index)
     assert layers is model.model.layers and len(layers) == model.config.num_hidden_layers
     assert layers[first.decoder_index].mlp.experts is first.experts
+
+
+def test_step_graphs_run_layers_as_they_are_off_a_static_decode_and_give_back_an_accelerate_forward(embedded):
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    class Count(ModelHook):
+        calls = 0
+
+        def pre_forward(self, module, *args, **kwargs):
+            Count.calls += 1
+            return args, kwargs
+
+    model, tokenizer = copy.deepcopy(embedded[0]), embedded[1]
+    layers = model.model.layers
+    add_hook_to_module(layers[0], Count())  # Accelerate wraps the layer's forward per instance, as step graphs do
+    accelerate_forward = layers[0].__dict__["forward"]
+    reference = _generate(model, tokenizer, new_tokens=6)[0]
+    before = Count.calls
+    with StepGraphs(layers, lambda *a: pytest.fail("not an experts call"), lambda: True, "cpu") as graphs:
+        assert all("forward" in layer.__dict__ for layer in layers)
+        tokens = _generate(model, tokenizer, new_tokens=6)[0]  # a dynamic cache: nothing to graph
+    assert torch.equal(tokens, reference) and graphs.captured == graphs.replayed == 0
+    steps = tokens.shape[1] - tokenizer(PROMPTS, return_tensors="pt", padding=True).input_ids.shape[1]
+    assert Count.calls - before == steps  # Accelerate's forward ran inside ours, once per forward pass
+    assert layers[0].__dict__["forward"] is accelerate_forward  # given back, not deleted
+    assert not any("forward" in layer.__dict__ for layer in layers[1:])
 
 
 @pytest.mark.gpu

@@ -72,7 +72,7 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
         if settings.step_graphs and not settings.eager and self.device.type == "cuda":
             first = self.layers[0]
             self.step_graphs = StepGraphs(decoder_layers(model, first.name, first.decoder_index),
-                                          self._experts_forward, lambda: self.phase == "decode")
+                                          self._experts_forward, lambda: self.phase == "decode", self.device)
 
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor

@@ -21,6 +21,7 @@ Each decoder layer's ``forward`` is wrapped per instance (as Accelerate's hooks 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,36 +68,42 @@ class _Graphed:
 
 
 class StepGraphs:
-    """Graph the decode calls of ``layers`` (a model's decoder layers) piecewise around the experts calls, which
-    ``experts`` runs; ``active()`` says whether the forward under way is a decode step.
+    """Graph the decode calls of ``layers`` (a model's decoder layers, on CUDA ``device``) piecewise around the
+    experts calls, which ``experts`` runs; ``active()`` says whether the forward under way is a decode step.
 
     ``experts_call`` is what the model's experts interface must call (it splits the graph being captured). The
     counters ``captured`` (layer calls captured) and ``replayed`` (layer calls replayed) say what ran graphed.
     """
 
-    def __init__(self, layers: nn.ModuleList, experts: Experts, active: Callable[[], bool]):
+    def __init__(self, layers: nn.ModuleList, experts: Experts, active: Callable[[], bool],
+                 device: torch.device | str):
         self.layers, self.experts, self.active = layers, experts, active
+        self.device = torch.device(device)
         self.captured = self.replayed = 0
 
     def __enter__(self):
-        self._pool = torch.cuda.graph_pool_handle()
-        self._stream = torch.cuda.Stream()
+        self._pool = self._stream = None  # made at the first capture
         self._graphs: list[_Graphed | None] = [None] * len(self.layers)
         self._warm: list[tuple | None] = [None] * len(self.layers)
         self._capture: _Graphed | None = None
+        self._on_stream = None  # the side stream's context while a piece is being captured
         self._outputs: dict[int, torch.Tensor] = {}  # id -> a graph's output, read by the next layer's graphs as is
         self._shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(argument) -> (argument, its input)
         self._source: dict[int, torch.Tensor] = {}  # id(input) -> the argument last copied into it
+        self._own = [layer.__dict__.get("forward") for layer in self.layers]  # a forward already wrapped (Accelerate)
         for i, layer in enumerate(self.layers):
             layer.forward = functools.partial(self._forward, i, layer.forward)
         return self
 
     def __exit__(self, *exc) -> None:
-        for layer in self.layers:
-            layer.__dict__.pop("forward", None)
+        for layer, own in zip(self.layers, self._own):
+            if own is None:
+                del layer.forward
+            else:
+                layer.forward = own
         self._graphs = self._warm = []
         self._outputs, self._shared, self._source = {}, {}, {}
-        self._pool = None
+        self._pool = self._stream = None
 
     def experts_call(self, module: nn.Module, hidden: torch.Tensor, idx: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
@@ -112,9 +119,9 @@ class StepGraphs:
         return out
 
     def _forward(self, i: int, forward: Callable, *args, **kwargs):
-        leaves, spec = _flatten(args, kwargs)
-        if not self.active() or not any(isinstance(x, StaticCache) for x in leaves):
+        if not self.active() or not any(isinstance(x, StaticCache) for x in (*args, *kwargs.values())):
             return forward(*args, **kwargs)
+        leaves, spec = _flatten(args, kwargs)
         signature = (spec, _signature(leaves))
         graphed = self._graphs[i]
         if graphed is not None and graphed.signature == signature:
@@ -146,11 +153,14 @@ class StepGraphs:
         try:
             out = forward(*args, **kwargs)
             self._end_piece()
-        except BaseException:
-            if torch.cuda.is_current_stream_capturing():
+        except Exception as exc:
+            if self._on_stream is None:  # raised by the experts call between two pieces: not the capture's doing
+                raise
+            with contextlib.suppress(RuntimeError):  # a capture the error invalidated ends with an error of its own
                 graphed.pieces[-1].capture_end()
-                torch.cuda.set_stream(self._caller)
-            raise
+            self._leave_stream()
+            raise RuntimeError(f"decoder layer {i}'s decode step could not be captured in a CUDA graph ({exc}); run "
+                               "with --no-step-graphs (EngineSettings(step_graphs=False))") from exc
         finally:
             self._capture = None
         graphed.output = out
@@ -162,18 +172,24 @@ class StepGraphs:
         return out
 
     def _begin_piece(self) -> None:
+        if self._stream is None:
+            self._pool, self._stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.device)
         graph = torch.cuda.CUDAGraph()
-        self._caller = torch.cuda.current_stream()
-        self._stream.wait_stream(self._caller)
-        torch.cuda.set_stream(self._stream)
-        graph.capture_begin(pool=self._pool)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._on_stream = torch.cuda.stream(self._stream)  # capture on a side stream, as torch.cuda.graph does
+        self._on_stream.__enter__()
         self._capture.pieces.append(graph)
+        graph.capture_begin(pool=self._pool)
+
+    def _leave_stream(self) -> None:
+        self._on_stream.__exit__(None, None, None)
+        self._on_stream = None
 
     def _end_piece(self) -> None:
         graph = self._capture.pieces[-1]
         graph.capture_end()
-        torch.cuda.set_stream(self._caller)
-        graph.replay()
+        self._leave_stream()
+        graph.replay()  # on the caller's stream
 
     def _replay(self, graphed: _Graphed, leaves: list):
         for static, x in zip(graphed.inputs, leaves):
