@@ -31,7 +31,7 @@ from duoserve.runtime import (
     timed_generate,
 )
 from duoserve.runtime.generation import kv_cache
-from duoserve.runtime.stepgraph import StepGraphs, decoder_layers
+from duoserve.runtime.stepgraph import StepGraphs, decoder_layers, graphable
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
@@ -951,6 +951,15 @@ def test_generations_on_a_reused_static_cache_equal_the_models_own(embedded):
     finally:
         put_experts(find_moe_layers(model), stores, "cpu")
     assert torch.equal(tokens, reference)
+
+
+def test_only_a_static_cache_without_sliding_windows_is_graphed():
+    from transformers import DynamicCache, MixtralConfig, StaticCache
+
+    assert graphable(StaticCache(config=MixtralConfig(), max_cache_len=8))
+    # a sliding-window layer checks on the host whether its window is full: a graph would freeze that answer
+    assert not graphable(StaticCache(config=MixtralConfig(sliding_window=4), max_cache_len=8))
+    assert not graphable(DynamicCache()) and not graphable(None)
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])

@@ -9,7 +9,8 @@ the step is graphed piecewise, as vLLM's piecewise CUDA graphs are: a decoder la
 its experts calls is captured once and replayed, and the experts calls run the engine in between.
 
 A layer is graphed only where its graphs stay valid: in decode, on a static KV cache (transformers' ``StaticCache``,
-whose tensors the graphs address; ``generation.kv_cache`` makes one to reuse across generations). Its first decode
+whose tensors the graphs address; ``generation.kv_cache`` makes one to reuse across generations) with no
+sliding-window layer (``graphable``). Its first decode
 call with a new signature (the shapes of its tensor arguments, the identity of the others) runs eagerly as a
 warm-up, the second is captured, later ones replay: a tensor argument is copied into its captured input unless it is
 one already (the previous layer's output) or was copied for an earlier layer of the step (the mask, the rotary
@@ -30,6 +31,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from transformers import StaticCache
+from transformers.cache_utils import StaticLayer
 
 # experts(module, hidden T x H, top_k_index T x k, top_k_weights T x k) -> T x H: the engine's experts call
 Experts = Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -43,6 +45,13 @@ def decoder_layers(model: nn.Module, moe_name: str, decoder_index: int) -> nn.Mo
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(f"{head!r} is not a list of decoder layers ({type(layers).__name__})")
     return layers
+
+
+def graphable(cache: object) -> bool:
+    """Whether a layer call on ``cache`` can be replayed: a static KV cache whose every layer keeps its position on
+    the device (``StaticLayer``). A sliding-window layer decides on a host-side count whether its window is full,
+    which a graph would freeze at the count it was captured at."""
+    return isinstance(cache, StaticCache) and all(type(layer) is StaticLayer for layer in cache.layers)
 
 
 def _flatten(args: tuple, kwargs: dict) -> tuple[list, object]:
@@ -87,6 +96,7 @@ class StepGraphs:
         self._warm: list[tuple | None] = [None] * len(self.layers)
         self._capture: _Graphed | None = None
         self._on_stream = None  # the side stream's context while a piece is being captured
+        self._cache: tuple[object, bool] = (None, False)  # the last KV cache seen, and whether it is graphable
         self._outputs: dict[int, torch.Tensor] = {}  # id -> a graph's output, read by the next layer's graphs as is
         self._shared: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(argument) -> (argument, its input)
         self._source: dict[int, torch.Tensor] = {}  # id(input) -> the argument last copied into it
@@ -104,6 +114,7 @@ class StepGraphs:
         self._graphs = self._warm = []
         self._outputs, self._shared, self._source = {}, {}, {}
         self._pool = self._stream = None
+        self._cache = (None, False)
 
     def experts_call(self, module: nn.Module, hidden: torch.Tensor, idx: torch.Tensor,
                      weights: torch.Tensor) -> torch.Tensor:
@@ -118,8 +129,15 @@ class StepGraphs:
         self._begin_piece()
         return out
 
+    def _graphable(self, args: tuple, kwargs: dict) -> bool:
+        """Whether this call's arguments hold a KV cache its graphs can address (``graphable``; asked once a cache)."""
+        cache = next((x for x in (*args, *kwargs.values()) if isinstance(x, StaticCache)), None)
+        if cache is not None and self._cache[0] is not cache:
+            self._cache = (cache, graphable(cache))
+        return cache is not None and self._cache[1]
+
     def _forward(self, i: int, forward: Callable, *args, **kwargs):
-        if not self.active() or not any(isinstance(x, StaticCache) for x in (*args, *kwargs.values())):
+        if not self.active() or not self._graphable(args, kwargs):
             return forward(*args, **kwargs)
         leaves, spec = _flatten(args, kwargs)
         signature = (spec, _signature(leaves))
