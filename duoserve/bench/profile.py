@@ -28,7 +28,8 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
                 size and context length (the experts answering zeros through the experts interface): host time
                 (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
-                decoder layer of every timed pass, the median) and the device's kernel time
+                decoder layer of every timed pass, the median; on a GPU a decode call is replayed from the engine's
+                step graphs unless ``step_graphs`` is off, as the file records) and the device's kernel time
                 (``decode_device_ms``, ``prefill_device_ms``: torch's profiler, fitted from 1 and ``layers``
                 decoder layers; the wall time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
@@ -55,7 +56,7 @@ from duoserve.loading import model_from_config, resolve_device
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.experts import SlotView, slot_experts
-from duoserve.runtime.generation import timed_generate
+from duoserve.runtime.generation import kv_cache, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import dequantize, make_store
@@ -80,6 +81,7 @@ class ProfileSettings:
     tokens: list[int] = field(default_factory=lambda: [1, 8, 64, 512])  # routed to one expert
     copy_mb: list[float] = field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])  # besides one expert's size
     repeats: int = 5
+    step_graphs: bool = True  # on a GPU, layers' decode calls replayed from step graphs, as the engine runs them
 
     def __post_init__(self):
         if self.layers < 2 or self.repeats < 1:
@@ -351,6 +353,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     engine_us = _engine_host_us(model, s, device, host_us)
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
+            "step_graphs": s.step_graphs and device.type == "cuda",
             "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
                          "hidden_size": H, "expert_bytes": nbytes},
             "copy": copy, "copy_host_us": host_us, "module_copy_ms": engine_us["module"], "expert_ms": expert_ms,
@@ -368,17 +371,21 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
     rows = []
-    with _NoExperts(model), _LayerClock(model.get_decoder().layers) as clock:
+    plugin = _NoExperts(model)
+    if s.step_graphs and device.type == "cuda":
+        plugin.graph_steps()
+    with plugin, _LayerClock(model.get_decoder().layers) as clock:
         for B in s.batch_sizes:
             for C in s.contexts:
                 say(f"{depth} layers without experts, B={B} C={C}")
                 ids = torch.randint(vocab, (B, C), device=device)
                 mask = torch.ones_like(ids)
+                cache = kv_cache(model, C + 8) if plugin.static_cache else None
 
                 def generate(n: int) -> dict:
-                    return timed_generate(model, ids, mask, n, fixed_length=True)[1]
+                    return timed_generate(model, ids, mask, n, fixed_length=True, cache=cache)[1]
 
-                generate(2)  # warm-up
+                generate(3)  # warm-up: with step graphs, its second decode step captures them
                 clock.times = {"prefill": [], "decode": []}
                 timings = [generate(8) for _ in range(s.repeats)]
                 row = {"batch": B, "context": C, "decode_ms": statistics.median(t["tpot_ms"] for t in timings),

@@ -180,6 +180,7 @@ def profile_cmd(
                     "host time is measured. [default: 1, 8, 64, 512]")] = None,
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: DtypeOption = "auto",
+    step_graphs: StepGraphsOption = ENGINE.step_graphs,
     out: Annotated[Path, typer.Option(help="The profile (JSON, with the commit, machine and command).")]
     = Path("gpu.json"),
 ) -> None:
@@ -193,7 +194,7 @@ def profile_cmd(
         check_output(out)
         s = ProfileSettings(model=model, layers=layers, dtype=dtype, device=device,
                             batch_sizes=batch_size or [1, 8], contexts=context or [128, 512],
-                            tokens=tokens or [1, 8, 64, 512])
+                            tokens=tokens or [1, 8, 64, 512], step_graphs=step_graphs)
         with progress("profile", total=None) as update:
             result = profile(s, say=lambda text: update(description=text))
     write_result(out, result)

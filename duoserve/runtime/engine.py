@@ -28,7 +28,6 @@ from duoserve.runtime.policies import Policy
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import HostPredictor, LayerPredictor, RoutingSource
-from duoserve.runtime.stepgraph import StepGraphs, decoder_layers
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import Streams
 
@@ -70,9 +69,7 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
         self._host_views = [SlotView(layer.experts, store.layout.views(store.packed), self.E) for layer, store in
                             zip(self.layers, stores)] if policy.host_compute else None
         if settings.step_graphs and not settings.eager and self.device.type == "cuda":
-            first = self.layers[0]
-            self.step_graphs = StepGraphs(decoder_layers(model, first.name, first.decoder_index),
-                                          self._experts_forward, lambda: self.phase == "decode", self.device)
+            self.graph_steps()
 
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor

@@ -18,7 +18,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.runtime.sources import RoutingSource
-from duoserve.runtime.stepgraph import StepGraphs
+from duoserve.runtime.stepgraph import StepGraphs, decoder_layers
 
 
 class ExpertsPlugin:
@@ -48,6 +48,13 @@ class ExpertsPlugin:
         self.model.set_experts_implementation(self._name)
         self._hook = self.model.register_forward_pre_hook(self._begin_forward, with_kwargs=True)
         return self
+
+    def graph_steps(self) -> None:
+        """Replay the decoder layers' decode calls from CUDA graphs around the experts calls (``stepgraph.py``; a CUDA
+        model, generating on a ``generation.kv_cache``)."""
+        first = self.layers[0]
+        self.step_graphs = StepGraphs(decoder_layers(self.model, first.name, first.decoder_index),
+                                      self._experts_forward, lambda: self.phase == "decode", self.device)
 
     @property
     def static_cache(self) -> bool:
