@@ -1067,6 +1067,8 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
         path.write_text(json.dumps(broken))
         with pytest.raises(ValueError, match=f"lacks {name}"):
             load_profile(path)
+    (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
+    assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
     with pytest.raises(ValueError, match="not a version-2 device profile"):
         load_profile(tmp_path / "old.json")

@@ -462,7 +462,7 @@ def load_profile(path: str | Path) -> dict:
         found = data.get("profile_version") if isinstance(data, dict) else None
         raise ValueError(f"{path} is not a version-{PROFILE_VERSION} device profile (profile_version: {found}); "
                          f"make one with duoserve-run profile")
-    missing = [f for f in PROFILE_FIELDS if not data.get(f)]
+    missing = [f for f in PROFILE_FIELDS if data.get(f) in (None, [], {})]  # a cost measured as 0 is a cost
     if missing:
         raise ValueError(f"device profile {path} lacks {', '.join(missing)}; make it again with duoserve-run profile")
     return data
