@@ -662,6 +662,7 @@ def test_generate_cli(tmp_path):
     assert saved["policy"] == "lru" and len(saved["texts"]) == 2 and saved["new_tokens"] >= 1
     assert "time per output token" in result.output
     assert saved["copy_path"] == "torch copy_" and "expert copies via" in result.output  # which path ran, said
+    assert saved["graphed_layer_calls"] == 0 and "replayed from step graphs" in result.output  # no CUDA graphs here
     bad = runner.invoke(run_app, ["generate", "--policy", "psychic"])
     assert bad.exit_code == 2 and "unknown policy" in bad.output
     bad = runner.invoke(run_app, ["generate", "--prefetch-min-score", "1.5"])  # refused before the model loads

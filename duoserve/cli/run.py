@@ -96,6 +96,7 @@ def generate(
         figures.add_row("stall waiting for copies (ms)", num(counters["stall_ms"], ".1f"))
         figures.add_row("predictor (ms)", num(counters["predictor_ms"], ".1f"))
         figures.add_row("expert copies via", counters["copy_path"])
+        figures.add_row("decoder-layer calls replayed from step graphs", str(counters["graphed_layer_calls"]))
     console.print(figures)
     if out:
         write_json(out, result.to_dict())
