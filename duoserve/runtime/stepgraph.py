@@ -10,11 +10,11 @@ its experts calls is captured once and replayed, and the experts calls run the e
 
 A layer is graphed only where its graphs stay valid: in decode, on a static KV cache (transformers' ``StaticCache``,
 whose tensors the graphs address; ``generation.kv_cache`` makes one to reuse across generations) with no
-sliding-window layer (``graphable``). Its first decode
-call with a new signature (the shapes of its tensor arguments, the identity of the others) runs eagerly as a
-warm-up, the second is captured, later ones replay: a tensor argument is copied into its captured input unless it is
-one already (the previous layer's output) or was copied for an earlier layer of the step (the mask, the rotary
-tables), each graph is replayed, and each experts call's output copied into the tensor the next graph reads.
+sliding-window layer (``graphable``). Its first decode call with a new signature (the shapes of its tensor
+arguments, the identity of the others) runs eagerly as a warm-up, the second is captured, later ones replay: a
+tensor argument is copied into its captured input unless it is one already (the previous layer's output) or was
+copied for an earlier layer of the step (the mask, the rotary tables), each graph is replayed, and each experts
+call's output copied into the tensor the next graph reads.
 
 Each decoder layer's ``forward`` is wrapped per instance (as Accelerate's hooks wrap a module's forward); leaving the
 ``with`` restores it and frees the graphs.
