@@ -663,6 +663,8 @@ def test_generate_cli(tmp_path):
     assert "time per output token" in result.output
     assert saved["copy_path"] == "torch copy_" and "expert copies via" in result.output  # which path ran, said
     assert saved["graphed_layer_calls"] == 0 and "replayed from step graphs" in result.output  # no CUDA graphs here
+    peer = runner.invoke(run_app, ["generate", "--new-tokens", "3", "--policy", "accelerate"])  # the same summary
+    assert peer.exit_code == 0 and "accelerate AlignDevicesHook" in peer.output, peer.output
     bad = runner.invoke(run_app, ["generate", "--policy", "psychic"])
     assert bad.exit_code == 2 and "unknown policy" in bad.output
     bad = runner.invoke(run_app, ["generate", "--prefetch-min-score", "1.5"])  # refused before the model loads

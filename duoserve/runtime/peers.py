@@ -68,4 +68,5 @@ class AccelerateOffload(ExpertsPlugin):
         calls (``copies``: Accelerate copies a module's parameters per call); no cache, so no hit rate."""
         return {"bytes_h2d": dict(self.bytes), "copies": dict(self.calls),
                 "hit_rate": {"prefill": None, "decode": None}, "stall_ms": None, "predictor_ms": None,
-                "host_ms": {}, "copy_path": "accelerate AlignDevicesHook", "pinned_experts": 0}
+                "host_ms": {}, "copy_path": "accelerate AlignDevicesHook", "pinned_experts": 0,
+                "graphed_layer_calls": 0}
