@@ -19,6 +19,13 @@
 #   PART=ttft-pair   the TTFT target's two sides in one device call, one process each: duoserve (oracle:1) on fp8
 #                    experts (16 tokens) and Accelerate's pinned offload (bf16, 8 tokens), B=1 and 8, prompt 512
 #                    -> runtime_full_pair_{fp8,accelerate}_qwen3-30b-a3b_h200.json
+#   PART=mixtral-pair  issue 21's ratios on Mixtral at full depth in one device call, one process each: duoserve
+#                    (oracle:1, a 2-expert cache) on fp8 experts (45 GB, 16 tokens) and Accelerate's pinned offload
+#                    of the bf16 model (90 GB, 4 tokens), B=1 and 8, prompt 512
+#                    -> runtime_full_pair_{fp8,accelerate}_mixtral-8x7b_h200.json
+#   PART=pageable    Accelerate's pageable offload (as from_pretrained(device_map=...) leaves it) at full depth,
+#                    Qwen then Mixtral, B=1 and 8, prompt 512, 3 tokens (seconds a token)
+#                    -> runtime_full_pageable_{qwen3-30b-a3b,mixtral-8x7b}_h200.json
 #   PART=cpu         Qwen's routed experts computed on the host CPU (cpu-experts, in place in the packed store)
 #                    beside duoserve and on-demand on that one copy, B=1 and 8, prompt 512 (llama.cpp's converter
 #                    cannot take Qwen's shape: this is its stand-in) -> runtime_full_cpu_qwen3-30b-a3b_h200.json
@@ -30,7 +37,7 @@ NEW_TOKENS=${NEW_TOKENS:-32}
 SHAPES=$(mktemp -d)
 for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 bench() { python3 -m duoserve.cli.run bench --config-only --routing random "$@"; }
-case "${PART:?set PART to qwen, qwen-fp8, accelerate, mixtral, ttft-pair or cpu}" in
+case "${PART:?set PART to qwen, qwen-fp8, accelerate, mixtral, ttft-pair, mixtral-pair, pageable or cpu}" in
 qwen)
     bench --model "$SHAPES/qwen3-30b-a3b" --grid axes --batch-size 1 --batch-size 8 --batch-size 4 --batch-size 16 \
         --prompt-len 512 --prompt-len 128 --prompt-len 2048 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 \
@@ -55,6 +62,17 @@ ttft-pair)
         --new-tokens 16 --predictor oracle:1 --policy duoserve --out "$OUT/runtime_full_pair_fp8_qwen3-30b-a3b_h200.json"
     bench --model "$SHAPES/qwen3-30b-a3b" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 8 \
         --policy accelerate-pinned --out "$OUT/runtime_full_pair_accelerate_qwen3-30b-a3b_h200.json" ;;
+mixtral-pair)
+    bench --model "$SHAPES/mixtral-8x7b" --expert-dtype fp8 --gpu-expert-budget 705MB --batch-size 1 --batch-size 8 \
+        --prompt-len 512 --new-tokens 16 --predictor oracle:1 --policy duoserve \
+        --out "$OUT/runtime_full_pair_fp8_mixtral-8x7b_h200.json"
+    bench --model "$SHAPES/mixtral-8x7b" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 4 \
+        --policy accelerate-pinned --out "$OUT/runtime_full_pair_accelerate_mixtral-8x7b_h200.json" ;;
+pageable)
+    for model in ${MODELS:-qwen3-30b-a3b mixtral-8x7b}; do
+        bench --model "$SHAPES/$model" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 3 \
+            --policy accelerate --out "$OUT/runtime_full_pageable_${model}_h200.json"
+    done ;;
 cpu)
     bench --model "$SHAPES/qwen3-30b-a3b" --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens "$NEW_TOKENS" \
         --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve --policy on-demand --policy cpu-experts \
