@@ -218,6 +218,8 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     assert budgets[0]["peak_expert_bytes"] < budgets[-1]["peak_expert_bytes"]
     assert sum(budgets[-1]["bytes_h2d"].values()) <= sum(budgets[0]["bytes_h2d"].values())
     assert "simulated" in result.output and "simulate.json" in result.output  # the summary table, the files
+    # the shipped H200 profile timed its layers eagerly: the table says which engine it simulates
+    assert saved["step_graphs"] is False and "eager (--no-step-graphs)" in " ".join(result.output.split())
     points = len(saved["rows"]) + sum(map(len, saved["sweeps"].values()))
     configs = {(r["policy"], r["predictor"], r["batch_size"], r["gpu_expert_budget"], r["lookahead"])
                for r in saved["rows"] + [r for sweep in saved["sweeps"].values() for r in sweep]}

@@ -117,6 +117,8 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
     rows = [measure(*point) for point in grid]
     result = {"model_shape": s.model_shape, "layers": study.shape.num_layers, "profile": s.profile,
               "device": study.profile["device"], "traces": str(s.traces) if s.traces else None,
+              # which engine the profile's layer costs describe: decode layers replayed from step graphs, or eager
+              "step_graphs": bool(study.profile.get("step_graphs", False)),
               "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
               "expert_dtype": s.expert_dtype, "rows": rows}
     if charts is not None:

@@ -200,9 +200,11 @@ def simulate(
             result = run_simulation(s, out if charts else None,
                                     lambda done, total, what: update(completed=done, total=total, description=what))
         write_result(out / "simulate.json", result)  # with the commit, machine and command
+    layers = "step-graphed" if result["step_graphs"] else "eager (--no-step-graphs)"
     summary = table(f"{model_shape} ({result['layers']} MoE layers) on {result['device']}, simulated: "
-                    f"{result['routing']}; TTFT and TPOT in ms, P50/P95; GB moved, decode hit rate, stall ms, "
-                    "expert cache GB", "policy", "predictor", "B", "TTFT", "TPOT", "GB", "hits", "stall", "cache")
+                    f"{result['routing']}; decode layers {layers}, as the profile measured them; TTFT and TPOT in "
+                    "ms, P50/P95; GB moved, decode hit rate, stall ms, expert cache GB", "policy", "predictor", "B",
+                    "TTFT", "TPOT", "GB", "hits", "stall", "cache")
     summary.show_edge = summary.pad_edge = False  # nine columns in an 80-column terminal
     for r in result["rows"]:
         name = "-" if r["predictor"] is None else Path(r["predictor"]).name
