@@ -29,7 +29,7 @@ from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model, model_from_config, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
-from duoserve.runtime.generation import kv_cache, offload_plugin, timed_generate
+from duoserve.runtime.generation import cache_for, offload_plugin, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import DEFAULT_POLICIES, Policy, get_policy
 from duoserve.runtime.settings import EngineSettings
@@ -182,7 +182,7 @@ def run_policy(model, stores: dict[str, list[HostExperts]], policy: Policy, pred
         plugin = offload_plugin(model, stores[expert_dtype if policy.pinned else "modules"], policy, deployed,
                                 routing, s.engine, device)
     # an engine's step graphs are captured on the warm-up's static cache (its second decode step) and replayed after
-    cache = kv_cache(model, input_ids.shape[1] + max(new_tokens, 3)) if getattr(plugin, "static_cache", False) else None
+    cache = cache_for(plugin, model, input_ids.shape[1] + max(new_tokens, 3))
     try:
         with plugin:
             # warm-up at full size: kernel loading, cuBLAS, allocator; a compiled decode step is compiled for its

@@ -56,7 +56,7 @@ from duoserve.loading import model_from_config, resolve_device
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.experts import SlotView, slot_experts
-from duoserve.runtime.generation import kv_cache, timed_generate
+from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import dequantize, make_store
@@ -380,7 +380,7 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
                 say(f"{depth} layers without experts, B={B} C={C}")
                 ids = torch.randint(vocab, (B, C), device=device)
                 mask = torch.ones_like(ids)
-                cache = kv_cache(model, C + 8) if plugin.static_cache else None
+                cache = cache_for(plugin, model, C + 8)
 
                 def generate(n: int) -> dict:
                     return timed_generate(model, ids, mask, n, fixed_length=True, cache=cache)[1]

@@ -8,8 +8,8 @@ The names below load on first use, so ``duoserve.runtime.policies`` (the CLI's h
 from duoserve._lazy import lazy_exports
 
 _EXPORTS = {"EngineSettings": "settings", "ExpertsPlugin": "plugin", "Generation": "generation",
-            "OffloadEngine": "engine", "POLICIES": "policies", "Policy": "policies", "generate": "generation",
-            "get_policy": "policies", "kv_cache": "generation", "offload": "generation", "offload_plugin": "generation",
-            "parse_bytes": "settings", "timed_generate": "generation"}
+            "OffloadEngine": "engine", "POLICIES": "policies", "Policy": "policies", "cache_for": "generation",
+            "generate": "generation", "get_policy": "policies", "kv_cache": "generation", "offload": "generation",
+            "offload_plugin": "generation", "parse_bytes": "settings", "timed_generate": "generation"}
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -90,10 +90,15 @@ def kv_cache(model: nn.Module, max_len: int) -> StaticCache:
     return StaticCache(config=model.config, max_cache_len=max_len)
 
 
+def cache_for(plugin, model: nn.Module, max_len: int) -> StaticCache | None:
+    """The KV cache generations under ``plugin`` run on: a static one of ``max_len`` tokens where its step graphs
+    address the cache's tensors (``ExpertsPlugin.static_cache``), else None (transformers' own dynamic cache)."""
+    return kv_cache(model, max_len) if getattr(plugin, "static_cache", False) else None
+
+
 def _cache_kwargs(cache: StaticCache) -> dict:
     # transformers renamed generate's past_key_values to cache (5.2x); the old name warns there
     name = "cache" if "cache" in getattr(generation_utils, "ALL_CACHE_NAMES", ()) else "past_key_values"
-    cache.reset()
     return {name: cache, "disable_compile": True}
 
 
@@ -118,6 +123,8 @@ def timed_generate(model: nn.Module, input_ids: torch.Tensor, attention_mask: to
     if pad is None:
         eos = model.generation_config.eos_token_id
         pad = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    if cache is not None:
+        cache.reset()  # reused: this generation starts from an empty cache
     clock = _StepClock()
     start = time.perf_counter()
     with torch.no_grad():
@@ -182,7 +189,7 @@ def generate(model: str, prompts: Sequence[str], policy: str = "duoserve", predi
         stores = offload(net, chosen, target, expert_dtype)
         plugin = offload_plugin(net, stores, chosen, scorer, settings=settings, device=target)
     batch = tokenizer(list(prompts), return_tensors="pt", padding=True).to(target)
-    cache = kv_cache(net, batch.input_ids.shape[1] + new_tokens) if getattr(plugin, "static_cache", False) else None
+    cache = cache_for(plugin, net, batch.input_ids.shape[1] + new_tokens)
     try:
         with plugin:
             out, timing = timed_generate(net, batch.input_ids, batch.attention_mask, new_tokens,
