@@ -34,7 +34,8 @@ from duoserve.discovery import find_moe_layers
 from duoserve.loading import resolve_device
 from duoserve.runtime.policies import get_policy
 from duoserve.runtime.settings import EngineSettings, parse_bytes
-from duoserve.runtime.store import HostExperts, take_experts
+from duoserve.runtime.quant import EXPERT_DTYPES, make_store
+from duoserve.runtime.store import take_experts
 
 SECTIONS = ("wait for routing", "queue compute", "queue fetches", "queue predictor", "wait for predictor",
             "queue prefetch")
@@ -91,22 +92,28 @@ def experts_host_times(layers, tokens: int):
             h.remove()
 
 
-def setup(s: BenchSettings, batch_size: int, device: torch.device) -> tuple:
-    """The model of ``s`` on ``device``, its experts packed in (pinned, on CUDA) host memory as ``run_policy``
-    takes them, and a random B x prompt prompt: (model, stores, ids)."""
+def setup(s: BenchSettings, batch_size: int, device: torch.device, expert_dtype: str = "model") -> tuple:
+    """The model of ``s`` on ``device``, its experts stored in ``expert_dtype`` in (pinned, on CUDA) host memory as
+    ``run_policy`` takes them, and a random B x prompt prompt: (model, stores, ids)."""
     model = build_model(s, device)
-    stores = {True: take_experts(find_moe_layers(model), lambda p: HostExperts.pack(p, pin=device.type == "cuda"))}
+    stores = {expert_dtype: take_experts(find_moe_layers(model),
+                                         lambda p: make_store(p, expert_dtype, pin=device.type == "cuda"))}
     model.to(device)
     ids = torch.randint(model.get_input_embeddings().num_embeddings, (batch_size, s.prompt_lens[0])).to(device)
     return model, stores, ids
 
 
+def run_stored(model, stores, policy, predictor: str, s: BenchSettings, ids: torch.Tensor) -> dict:
+    """``run_policy`` on the one expert dtype ``setup`` stored."""
+    return run_policy(model, stores, policy, predictor, s, ids, s.new_tokens, expert_dtype=next(iter(stores)))
+
+
 def split_run(model, stores, s: BenchSettings, ids: torch.Tensor, policy: str, predictor: str = "none") -> tuple:
     """One warm-up, then one timed run of ``policy`` (settings ``s``) under ``experts_host_times``: (run, host ms
     per layer inside experts calls, host ms per layer between them), decode steps only."""
-    run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
+    run_stored(model, stores, get_policy(policy), predictor, s, ids)
     with experts_host_times(find_moe_layers(model), len(ids)) as (inside, between):
-        run = run_policy(model, stores, get_policy(policy), predictor, s, ids, s.new_tokens)
+        run = run_stored(model, stores, get_policy(policy), predictor, s, ids)
     return run, 1e3 * sum(inside) / max(len(inside), 1), 1e3 * sum(between) / max(len(between), 1)
 
 
@@ -223,6 +230,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--gpu-expert-budget", type=parse_bytes)
+    ap.add_argument("--expert-dtype", default="model", choices=EXPERT_DTYPES, help="how the experts are stored")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", help="also write the Chrome trace (CPU and CUDA activity) to this file (.gz: gzipped)")
     ap.add_argument("--stack", action="store_true", help="record Python frames too (the trace shows engine functions)")
@@ -239,16 +247,16 @@ def main() -> None:
     s = BenchSettings(model=a.model, config_only=True, layers=a.layers, routing="random", new_tokens=a.new_tokens,
                       engine=EngineSettings(gpu_expert_budget=a.gpu_expert_budget))
     device = resolve_device("auto")
-    model, stores, ids = setup(s, a.batch_size, device)
+    model, stores, ids = setup(s, a.batch_size, device, a.expert_dtype)
     if a.host_split:
         host_split(model, stores, s, ids, a.host_split)
         return
     policy = get_policy(a.policy)
-    run_policy(model, stores, policy, a.predictor, s, ids, a.new_tokens)  # warm the process
+    run_stored(model, stores, policy, a.predictor, s, ids)  # warm the process
     cuda = device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities, with_stack=a.stack) as prof, named_passes(model):
-        run = run_policy(model, stores, policy, a.predictor, s, ids, a.new_tokens)
+        run = run_stored(model, stores, policy, a.predictor, s, ids)
     print({k: run.get(k) for k in ("ttft_s", "tpot_ms", "stall_ms", "predictor_ms")})
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.rows))
     if cuda or a.trace:
