@@ -85,6 +85,32 @@ def test_every_family_trains_and_loads_with_torch_alone(family, embedded_trace, 
     assert logits.shape == (len(batch["target"]), embedded_trace.meta.num_experts)
 
 
+def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embedded_trace, tmp_path):
+    from typer.testing import CliRunner
+
+    from duoserve.cli.train import app
+    from duoserve.train.lightning import routing_loss
+
+    g = torch.Generator().manual_seed(0)
+    logits, truth = torch.randn(6, 16, generator=g), torch.rand(6, 16, generator=g).argsort(1)[:, :4]  # B x E, B x k
+    for loss in ("bce", "softmax"):
+        raised = logits.scatter_add(1, truth, torch.ones(6, 4))  # the chosen experts ranked higher
+        assert routing_loss(raised, truth, loss) < routing_loss(logits, truth, loss)
+    # a shift of every logit: the softmax loss does not move, the per-expert BCE does
+    torch.testing.assert_close(routing_loss(logits + 3, truth, "softmax"), routing_loss(logits, truth, "softmax"))
+    assert not torch.isclose(routing_loss(logits + 3, truth, "bce"), routing_loss(logits, truth, "bce"))
+    out = tmp_path / "p"
+    done = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(out), "--family", "residual",
+                                    "--loss", "softmax", "--widths", "64", "--epochs", "1", "--clean"])
+    assert done.exit_code == 0, done.output
+    assert load_predictor(out).spec.family == "residual"
+    assert json.loads((out / "config.json").read_text())["training"]["loss"] == "softmax"
+    refused = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(tmp_path / "q"), "--loss",
+                                       "hinge"])
+    assert refused.exit_code != 0 and "unknown loss 'hinge'" in refused.output
+    assert not (tmp_path / "q").exists()
+
+
 def _as_version_1(trace, out):
     """``trace`` rewritten as version 1 wrote it: next-gate top-k ids only, no scores."""
     meta = json.loads(pq.read_schema(trace.files[0]).metadata[META_KEY])

@@ -81,6 +81,10 @@ def fit_cmd(
     patience: Annotated[int, typer.Option(help="Epochs without improvement before stopping.")] = FIT.patience,
     batch_size: Annotated[int, typer.Option(min=1, help="Examples per step.")] = FIT.batch_size,
     lr: Annotated[float, typer.Option(help="AdamW learning rate.")] = FIT.lr,
+    loss: Annotated[str, typer.Option(
+        help="bce: binary cross-entropy per expert (the paper's); softmax: cross-entropy of a softmax over the "
+             "experts, blind to a shift of all logits (for the residual family: it learns ranking only).")]
+    = FIT.loss,
     accelerator: Annotated[str, typer.Option(help="Lightning accelerator: auto, cpu, gpu.")] = FIT.accelerator,
     devices: Annotated[str, typer.Option(help="Lightning devices: auto, 1, 2, ...")] = str(FIT.devices),
     strategy: Annotated[str, typer.Option(help="Lightning strategy: auto, ddp, ...")] = FIT.strategy,
@@ -102,7 +106,7 @@ def fit_cmd(
             widths=int_list(widths, "--widths"),
             features=tuple(feature) if feature else FIT.features, family=family, lookahead=lookahead, epochs=epochs,
             patience=patience,
-            batch_size=batch_size, lr=lr, accelerator=accelerator,
+            batch_size=batch_size, lr=lr, loss=loss, accelerator=accelerator,
             devices=int(devices) if devices.isdigit() else devices, strategy=strategy, num_nodes=num_nodes,
             clean=clean, verbose=verbose)
         result = fit(settings)

@@ -70,7 +70,8 @@ def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_
     spec = config["feature_spec"]
     base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
                        features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"),
-                       lookahead=spec.get("lookahead", 1), progress=False)
+                       lookahead=spec.get("lookahead", 1), loss=config.get("training", {}).get("loss", "bce"),
+                       progress=False)
     extra = ""
     if cross:
         ct = cross_task(traces, work, base, progress)

@@ -38,7 +38,7 @@ from duoserve.predictor.artifact import save_predictor
 from duoserve.predictor.baselines import affinity_markov_scores, nextgate_rank_scores, popularity_scores
 from duoserve.predictor.model import FAMILIES, ExpertPredictor, FeatureSpec
 from duoserve.trace.format import open_trace
-from duoserve.train.lightning import PredictorModule, RoutingDataModule
+from duoserve.train.lightning import LOSSES, PredictorModule, RoutingDataModule
 from duoserve.train.settings import FEATURES, FitSettings
 
 MONITOR = "val/exact_topk"
@@ -118,6 +118,8 @@ def fit(s: FitSettings) -> FitResult:
         raise ValueError(f"look-ahead must be in 1..{L - 1} layers for this {L}-layer model, got {s.lookahead}")
     if s.family not in FAMILIES:
         raise ValueError(f"unknown predictor family {s.family!r}; choose from {', '.join(FAMILIES)}")
+    if s.loss not in LOSSES:
+        raise ValueError(f"unknown loss {s.loss!r}; choose from {', '.join(LOSSES)}")
     if ("nextgate" in s.features or s.family != "paper") and table.nextgate_depth < s.lookahead:
         raise ValueError(f"the {'nextgate feature' if s.family == 'paper' else s.family + ' family'} at look-ahead "
                          f"{s.lookahead} needs traces recorded with --lookahead >= {s.lookahead} (these have "
@@ -148,7 +150,7 @@ def fit(s: FitSettings) -> FitResult:
     work = _work_dir(s)
     pl.seed_everything(s.seed, verbose=False)
     module = PredictorModule(spec.to_dict(), tuple(s.widths), s.dropout, s.lr, s.weight_decay,
-                             torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity))
+                             torch.from_numpy(stats.popularity), torch.from_numpy(stats.affinity), s.loss)
     checkpoint = ModelCheckpoint(dirpath=work / "checkpoints", monitor=MONITOR, mode="max", save_last=True)
     with _quiet(s.verbose):
         try:  # Lightning checks accelerator, devices and strategy here: before anything is written
@@ -195,7 +197,7 @@ def fit(s: FitSettings) -> FitResult:
                   "train_requests": len(train_requests),
                   "val_requests": int(val_request.sum())},
         "training": {"epochs_run": trainer.current_epoch, "best_epoch_checkpoint": Path(checkpoint.best_model_path).name,
-                     "lr": s.lr, "weight_decay": s.weight_decay, "seed": s.seed,
+                     "lr": s.lr, "weight_decay": s.weight_decay, "loss": s.loss, "seed": s.seed,
                      "batch_size": s.batch_size, "world_size": trainer.world_size,  # global batch: their product
                      "strategy": type(trainer.strategy).__name__},
         "metrics": {"validation": metrics},

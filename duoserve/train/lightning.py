@@ -13,6 +13,8 @@ from duoserve.features.examples import Examples, ExampleSet, RoutingTable
 from duoserve.metrics import hit_metrics, multi_hot, overlap
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 
+LOSSES = ("bce", "softmax")
+
 
 def _identity(batch):
     return batch
@@ -31,12 +33,22 @@ class RoutingDataModule(pl.LightningDataModule):
         return DataLoader(ExampleSet(self.table, self.val), batch_size=self.batch_size * 4, collate_fn=_identity)
 
 
+def routing_loss(logits: torch.Tensor, truth: torch.Tensor, loss: str) -> torch.Tensor:
+    """The training loss of B x E ``logits`` against the B x k experts chosen (``LOSSES``): ``bce``, binary cross-entropy
+    per expert (the paper's); ``softmax``, the cross-entropy of the softmax over the E experts, each chosen expert
+    a target of weight 1/k. softmax is blind to a shift of all E logits, so a residual family's correction is pulled
+    only by how next-gate ranks the experts, not by how its log-probabilities are calibrated."""
+    if loss == "bce":
+        return torch.nn.functional.binary_cross_entropy_with_logits(logits, multi_hot(truth, logits.shape[1]))
+    return -torch.log_softmax(logits, dim=1).gather(1, truth.long()).mean()
+
+
 class PredictorModule(pl.LightningModule):
-    """BCE-with-logits over the E experts (multi-label), AdamW; validation exact-top-k / at-least-half / recall."""
+    """``routing_loss`` over the E experts, AdamW; validation exact-top-k / at-least-half / recall."""
 
     def __init__(self, spec: dict, widths: tuple[int, ...], dropout: float = 0.1, lr: float = 1e-3,
                  weight_decay: float = 0.01, popularity: torch.Tensor | None = None,
-                 affinity: torch.Tensor | None = None):
+                 affinity: torch.Tensor | None = None, loss: str = "bce"):
         super().__init__()
         self.save_hyperparameters(ignore=["popularity", "affinity"])
         self.model = ExpertPredictor(FeatureSpec(**spec), widths, dropout, popularity, affinity)
@@ -46,9 +58,7 @@ class PredictorModule(pl.LightningModule):
                           batch["depth"])
 
     def training_step(self, batch: dict, _: int) -> torch.Tensor:
-        E = self.model.spec.num_experts
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(self._logits(batch),
-                                                                    multi_hot(batch["truth"], E))
+        loss = routing_loss(self._logits(batch), batch["truth"], self.hparams.loss)
         self.log("train/loss", loss, prog_bar=True, batch_size=len(batch["target"]))
         return loss
 
@@ -57,8 +67,7 @@ class PredictorModule(pl.LightningModule):
         logits = self._logits(batch)
         B = len(batch["target"])
         hits = overlap(logits.topk(spec.top_k, dim=1).indices, batch["truth"], spec.num_experts)  # B
-        loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, multi_hot(batch["truth"],
-                                                                                      spec.num_experts))
+        loss = routing_loss(logits, batch["truth"], self.hparams.loss)
         self.log("val/loss", loss, on_epoch=True, batch_size=B, sync_dist=True)
         for name, value in hit_metrics(hits, spec.top_k).items():
             self.log(f"val/{name}", value, on_epoch=True, batch_size=B, sync_dist=True, prog_bar=name != "recall")

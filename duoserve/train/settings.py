@@ -33,6 +33,7 @@ class FitSettings:
     batch_size: int = 1024
     lr: float = 1e-3
     weight_decay: float = 0.01
+    loss: str = "bce"  # duoserve.train.lightning.routing_loss: bce (the paper's) or softmax
     patience: int = 3
     accelerator: str = "auto"
     devices: str | int = "auto"
