@@ -85,10 +85,14 @@ def test_every_family_trains_and_loads_with_torch_alone(family, embedded_trace, 
     assert logits.shape == (len(batch["target"]), embedded_trace.meta.num_experts)
 
 
-def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embedded_trace, tmp_path):
+def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embedded_trace, tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    import pandas as pd
     from typer.testing import CliRunner
 
     from duoserve.cli.train import app
+    from duoserve.evaluate import generalization
     from duoserve.train.lightning import routing_loss
 
     g = torch.Generator().manual_seed(0)
@@ -101,10 +105,18 @@ def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embed
     assert not torch.isclose(routing_loss(logits + 3, truth, "bce"), routing_loss(logits, truth, "bce"))
     out = tmp_path / "p"
     done = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(out), "--family", "residual",
-                                    "--loss", "softmax", "--widths", "64", "--epochs", "1", "--clean"])
+                                    "--loss", "softmax", "--lr", "0.004", "--widths", "64", "--epochs", "1", "--clean"])
     assert done.exit_code == 0, done.output
     assert load_predictor(out).spec.family == "residual"
-    assert json.loads((out / "config.json").read_text())["training"]["loss"] == "softmax"
+    config = json.loads((out / "config.json").read_text())
+    assert config["training"]["loss"] == "softmax"
+    # the cross-task refits are fitted as the artifact was: its family, loss and learning rate
+    refits = []
+    monkeypatch.setattr(generalization, "cross_task", lambda traces, work, base, progress=None: refits.append(base)
+                        or pd.DataFrame(columns=["train", "test", "scorer", "depth", "exact_topk"]))
+    generalization.add_studies(SimpleNamespace(info={"predictor_config": config}), [embedded_trace.path], tmp_path,
+                               cross=True)
+    assert (refits[0].family, refits[0].loss, refits[0].lr) == ("residual", "softmax", 0.004)
     refused = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(tmp_path / "q"), "--loss",
                                        "hinge"])
     assert refused.exit_code != 0 and "unknown loss 'hinge'" in refused.output

@@ -62,16 +62,17 @@ def learning_curve(traces: Sequence[Path], work: Path, base: FitSettings, fracti
 def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_epochs: int = 3,
                 cross: bool = False, fractions: Sequence[float] | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
-    """Run the cross-task study and/or the learning curve for ``report``'s predictor (fresh fits of its widths and
-    features and family in ``work``), store their rows in ``report.info`` and return their markdown sections."""
+    """Run the cross-task study and/or the learning curve for ``report``'s predictor (fresh fits of its widths,
+    features, family and training settings: lr, weight decay, loss; in ``work``), store their rows in
+    ``report.info`` and return their markdown sections."""
     if not (cross or fractions):
         return ""
     config = report.info["predictor_config"]
-    spec = config["feature_spec"]
+    spec, trained = config["feature_spec"], config.get("training", {})
     base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
                        features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"),
-                       lookahead=spec.get("lookahead", 1), loss=config.get("training", {}).get("loss", "bce"),
-                       progress=False)
+                       lookahead=spec.get("lookahead", 1), progress=False,
+                       **{key: trained[key] for key in ("lr", "weight_decay", "loss") if key in trained})
     extra = ""
     if cross:
         ct = cross_task(traces, work, base, progress)
