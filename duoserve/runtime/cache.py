@@ -59,6 +59,7 @@ class ExpertCache:
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.cache_device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
         self._rows = list(self.buffer.unbind(0))  # S views of P, made once: a fetch is on the decode step's path
+        self.slots = slots
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
@@ -75,10 +76,6 @@ class ExpertCache:
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
-
-    @property
-    def slots(self) -> int:
-        return len(self.key)
 
     @property
     def open_slots(self) -> int:
@@ -133,11 +130,14 @@ class ExpertCache:
         """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), ties by slot, never
         one holding a key in ``keep`` or a pinned one; the cache's state is unchanged until the caller refills them."""
         if self._heap is None:
-            ranked = [((-1.0, -1) if key is None else (self.wanted[s], self.used[s]), s)
-                      for s, key in enumerate(self.key) if key not in keep and key not in self.pinned]
+            skip = keep | self.pinned if self.pinned else keep
+            ranked = [(-1.0, -1, s) if key is None else (wanted, used, s)
+                      for s, key, wanted, used in zip(range(self.slots), self.key, self.wanted, self.used)
+                      if key not in skip]
             if len(ranked) < count:
                 raise self._full(count, keep)
-            return [s for _, s in sorted(ranked)[:count]]  # heapq.nsmallest's answer; faster on a small cache
+            ranked.sort()  # heapq.nsmallest's answer; faster on a small cache
+            return [entry[2] for entry in ranked[:count]]
         chosen, held = [], []
         while len(chosen) < count and self._heap:
             entry = heapq.heappop(self._heap)
@@ -162,16 +162,18 @@ class ExpertCache:
         ``phase``: whose copies and bytes they count as (None: nobody's). ``seal=False``: the caller queues more
         work on ``stream`` first, then calls ``seal``."""
         stream = stream or self.streams.copy
-        slots, waited = self.victims(len(experts), keep), set()
+        slots = self.victims(len(experts), keep)
         self.clock += 1
-        for i, (e, s) in enumerate(zip(experts, slots)):
-            if self.key[s] is not None:
-                del self.slot_of[self.key[s]]
-            if id(self.free[s]) not in waited:  # slots freed by one compute share its event: wait once
-                waited.add(id(self.free[s]))
-                self.streams.wait(stream, self.free[s])  # the slot's last reader has run
-            self.key[s], self.slot_of[(layer, e)] = (layer, e), s
-            self.used[s], self.wanted[s] = self.clock, wanted[i] if wanted else 0.0
+        key, slot_of, used, scores = self.key, self.slot_of, self.used, self.wanted
+        # slots freed by one compute share its event: wait once for each last reader
+        for event in {id(f): f for f in map(self.free.__getitem__, slots)}.values():
+            self.streams.wait(stream, event)
+        for e, s, score in zip(experts, slots, wanted or [0.0] * len(slots)):
+            if key[s] is not None:
+                del slot_of[key[s]]
+            key[s] = new = (layer, e)
+            slot_of[new] = s
+            used[s], scores[s] = self.clock, score
         self._touch(slots)
         store.copy_group(experts, slots, self._rows, self.streams, stream, self.scratch)
         self._dequantizing = store.dequantizes
@@ -197,8 +199,9 @@ class ExpertCache:
         """Mark ``slots`` as read by the compute queued so far (their next copy waits for it)."""
         event = self.streams.record()
         self.clock += 1
+        clock, free, used, wanted = self.clock, self.free, self.used, self.wanted
         for s in slots:
-            self.free[s], self.used[s], self.wanted[s] = event, self.clock, 0.0
+            free[s], used[s], wanted[s] = event, clock, 0.0
         self._touch(slots)
 
     def forget(self) -> None:
@@ -212,14 +215,17 @@ class ExpertCache:
     def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:
         """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
         has spoken: scores given to its experts ahead of time are moot, and its predicted copies are settled."""
-        moot = [s for e in self._wanted_for.pop(layer, ()) if (s := self.slot_of.get((layer, e))) is not None]
-        for s in moot:
-            self.wanted[s] = 0.0
-        self._touch(moot)
-        hits = {e: s for e in needed if (s := self.slot_of.get((layer, e))) is not None}
-        self.stats.lookups[phase] += len(needed)
-        self.stats.hits[phase] += len(hits)
-        self.stats.prefetch_used += len(self._predicted_for.pop(layer, set()).intersection(hits))
+        slot_of, stats = self.slot_of, self.stats
+        if moot := self._wanted_for.pop(layer, None):
+            moot = [s for e in moot if (s := slot_of.get((layer, e))) is not None]
+            for s in moot:
+                self.wanted[s] = 0.0
+            self._touch(moot)
+        hits = {e: s for e in needed if (s := slot_of.get((layer, e))) is not None}
+        stats.lookups[phase] += len(needed)
+        stats.hits[phase] += len(hits)
+        if predicted := self._predicted_for.pop(layer, None):
+            stats.prefetch_used += len(predicted.intersection(hits))
         return hits
 
     def copy_ahead(self, layer: int, ranked: list[tuple[int, float]], store: HostExperts, phase: str,
@@ -230,17 +236,19 @@ class ExpertCache:
         ranked = ranked[:self.room(busy)]
         keys = [(layer, e) for e, _ in ranked]
         self._wanted_for.setdefault(layer, set()).update([e for e, _ in ranked])
-        fetch, raised = [], []
+        slot_of, wanted = self.slot_of, self.wanted
+        experts, scores, raised = [], [], []
         for key, (e, score) in zip(keys, ranked):
-            if (s := self.slot_of.get(key)) is None:
-                fetch.append((e, score))
-            elif score > self.wanted[s]:
-                self.wanted[s] = score
+            if (s := slot_of.get(key)) is None:
+                experts.append(e)
+                scores.append(score)
+            elif score > wanted[s]:
+                wanted[s] = score
                 raised.append(s)
-        self._touch(raised)
-        if fetch:
-            experts = [e for e, _ in fetch]
-            self.fetch(layer, experts, store, phase, busy.union(keys), wanted=[score for _, score in fetch])
+        if raised:
+            self._touch(raised)
+        if experts:
+            self.fetch(layer, experts, store, phase, busy.union(keys), wanted=scores)
             if predicted:
                 self.stats.prefetched += len(experts)
                 self._predicted_for.setdefault(layer, set()).update(experts)
