@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--lookahead", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--widths", default="2048,1024,512,256,128,64")
+    ap.add_argument("--loss", default="bce", help="the fit's loss: bce or softmax (duoserve-train fit --loss)")
     args = ap.parse_args()
     fractions = [float(f) for f in args.fractions.split(",")]
     with tempfile.TemporaryDirectory(prefix="duoserve-flame-") as scratch:
@@ -68,7 +69,7 @@ def main() -> None:
         traces = import_flame(args.data, work)
         base = FitSettings(traces=traces, features=("popularity", "affinity"), lookahead=args.lookahead,
                            epochs=args.epochs, widths=tuple(int(w) for w in args.widths.split(",")),
-                           val_fraction=0.2, progress=False)
+                           val_fraction=0.2, loss=args.loss, progress=False)
         curve = learning_curve(traces, work / "fits", base, fractions, progress=print)
     print(curve.pivot_table(index="scorer", columns="train_requests", values="exact_topk").round(3).to_string())
     print(curve.pivot_table(index="scorer", columns="train_requests", values="recall").round(3).to_string())
@@ -76,7 +77,7 @@ def main() -> None:
         "benchmark": "flame_moe", "data": "FLAME-MoE traces (CMU-FLAME/FLAME-MoE-Traces, flame-moe-290m), "
                                           "../shared/data/flame-moe", "geometry": {"L": 25, "E": 64, "k": 6},
         "family": "paper", "features": ["history", "popularity", "affinity"], "lookahead": args.lookahead,
-        "epochs": args.epochs, "widths": args.widths, "val_fraction": 0.2, "split": "validation: all phases",
+        "loss": args.loss, "epochs": args.epochs, "widths": args.widths, "val_fraction": 0.2, "split": "validation: all phases",
         "learning_curve": curve.to_dict("records"),
     })
 
