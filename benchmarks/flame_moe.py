@@ -77,7 +77,8 @@ def main() -> None:
         "benchmark": "flame_moe", "data": "FLAME-MoE traces (CMU-FLAME/FLAME-MoE-Traces, flame-moe-290m), "
                                           "../shared/data/flame-moe", "geometry": {"L": 25, "E": 64, "k": 6},
         "family": "paper", "features": ["history", "popularity", "affinity"], "lookahead": args.lookahead,
-        "loss": args.loss, "epochs": args.epochs, "widths": args.widths, "val_fraction": 0.2, "split": "validation: all phases",
+        "loss": args.loss, "epochs": args.epochs, "widths": args.widths, "val_fraction": 0.2,
+        "split": "validation: all phases",
         "learning_curve": curve.to_dict("records"),
     })
 

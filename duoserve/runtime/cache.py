@@ -216,8 +216,8 @@ class ExpertCache:
         """The cached experts among ``needed`` of ``layer`` (expert -> slot), counted per phase. The layer's router
         has spoken: scores given to its experts ahead of time are moot, and its predicted copies are settled."""
         slot_of, stats = self.slot_of, self.stats
-        if moot := self._wanted_for.pop(layer, None):
-            moot = [s for e in moot if (s := slot_of.get((layer, e))) is not None]
+        if scored := self._wanted_for.pop(layer, None):
+            moot = [s for e in scored if (s := slot_of.get((layer, e))) is not None]
             for s in moot:
                 self.wanted[s] = 0.0
             self._touch(moot)
@@ -245,8 +245,7 @@ class ExpertCache:
             elif score > wanted[s]:
                 wanted[s] = score
                 raised.append(s)
-        if raised:
-            self._touch(raised)
+        self._touch(raised)
         if experts:
             self.fetch(layer, experts, store, phase, busy.union(keys), wanted=scores)
             if predicted:

@@ -36,8 +36,8 @@ class RoutingDataModule(pl.LightningDataModule):
 def routing_loss(logits: torch.Tensor, truth: torch.Tensor, loss: str) -> torch.Tensor:
     """The training loss of B x E ``logits`` against the B x k experts chosen (``LOSSES``): ``bce``, binary
     cross-entropy per expert (the paper's); ``softmax``, the cross-entropy of the softmax over the E experts, each
-    chosen expert a target of weight 1/k. softmax is blind to a shift of all E logits, so a residual family's correction is pulled
-    only by how next-gate ranks the experts, not by how its log-probabilities are calibrated."""
+    chosen expert a target of weight 1/k. softmax is blind to a shift of all E logits, so a residual family's
+    correction is pulled only by how next-gate ranks the experts, not by how its log-probabilities are calibrated."""
     if loss == "bce":
         return torch.nn.functional.binary_cross_entropy_with_logits(logits, multi_hot(truth, logits.shape[1]))
     return -torch.log_softmax(logits, dim=1).gather(1, truth.long()).mean()
