@@ -5,8 +5,10 @@ prints the profiler's table (self CPU time; waits show up as cudaStreamSynchroni
 and, on CUDA, a timeline per forward pass (prefill, then each decode step): host wall time, GPU span,
 how busy the copy and compute streams were inside it, where the copy stream sat idle between copies
 and which engine section the host was in meanwhile, and the engine's host sections per pass.
+On CUDA a contention table follows: the busiest kernels of each stream, their median time alone and beside a
+kernel of another stream (a fetch kernel that holds the multiprocessors shows up as compute kernels slowed).
 ``--trace t.json`` also writes the Chrome trace (engine sections are named in it); ``--timeline t.json``
-prints the timeline of a saved trace again, with no model and no GPU.
+prints the timeline and the table of a saved trace again, with no model and no GPU.
 
 ``--host-split all-resident duoserve:none duoserve:oracle:1`` runs each policy[:predictor][+eager] with no
 profiler and splits a decode step's host time per layer: inside the experts call (the engine, or the model's
@@ -17,9 +19,11 @@ no CUDA graph replays. Each line also gives the host's pace just before the run 
 from __future__ import annotations
 
 import argparse
+import bisect
 import gzip
 import itertools
 import json
+import statistics
 import tempfile
 import time
 from collections import defaultdict
@@ -221,6 +225,48 @@ def print_timeline(rows: list[dict]) -> None:
                                                             sorted(doing.items(), key=lambda item: -item[1])))
 
 
+def contention(trace: dict, names: int = 4) -> list[dict]:
+    """How much slower the busiest kernels of each stream ran while a kernel of another stream ran beside them: per
+    (stream, kernel name), the median microseconds alone and overlapped (a fetch kernel that holds every SM shows
+    up as the compute stream's kernels waiting for SMs); streams with under 1% of all kernel time are left out."""
+    kernels = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"),
+                     key=lambda e: e["ts"])
+    total = defaultdict(float)
+    for e in kernels:
+        total[e["args"].get("stream"), e["name"]] += e["dur"]
+    spans = defaultdict(list)  # stream -> its kernels' (start, end), in start order
+    for e in kernels:
+        spans[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"]))
+
+    def beside(e) -> bool:
+        a, b = e["ts"], e["ts"] + e["dur"]
+        return any(lo < b and hi > a for stream, other in spans.items() if stream != e["args"].get("stream")
+                   for lo, hi in other[max(bisect.bisect_left(other, (a,)) - 1, 0):bisect.bisect_left(other, (b,))])
+
+    rows, everything = [], sum(total.values())
+    for stream in sorted(spans):
+        if sum(t for (st, _), t in total.items() if st == stream) < everything / 100:
+            continue  # a capture's side stream, or the predictor's
+        busiest = sorted((name for st, name in total if st == stream), key=lambda n: -total[stream, n])[:names]
+        for name in busiest:
+            split = defaultdict(list)
+            for e in kernels:
+                if e["args"].get("stream") == stream and e["name"] == name:
+                    split[beside(e)].append(e["dur"])
+            rows.append({"stream": stream, "kernel": name[:60], "total_ms": total[stream, name] / 1e3,
+                         "alone": (len(split[False]), statistics.median(split[False]) if split[False] else None),
+                         "beside": (len(split[True]), statistics.median(split[True]) if split[True] else None)})
+    return rows
+
+
+def print_contention(rows: list[dict]) -> None:
+    print("kernels beside another stream's (median us; n): stream, kernel, total ms, alone, beside")
+    for r in rows:
+        (na, alone), (nb, beside) = r["alone"], r["beside"]
+        fmt = lambda v, n: f"{v:8.1f} ({n})" if v is not None else "       - (0)"
+        print(f"  {r['stream']:>4} {r['kernel']:60} {r['total_ms']:9.2f} {fmt(alone, na)} {fmt(beside, nb)}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", nargs="?", help="model folder (not needed with --timeline)")
@@ -240,7 +286,9 @@ def main() -> None:
     a = ap.parse_args()
     if a.timeline:
         with (gzip.open if a.timeline.endswith(".gz") else open)(a.timeline, "rt") as f:
-            print_timeline(timeline(json.load(f)))
+            trace = json.load(f)
+        print_timeline(timeline(trace))
+        print_contention(contention(trace))
         return
     if a.model is None:
         ap.error("a model folder is needed to profile (or --timeline TRACE)")
@@ -269,6 +317,7 @@ def main() -> None:
                 json.dump(trace, f)
         if cuda:
             print_timeline(timeline(trace))
+            print_contention(contention(trace))
 
 
 if __name__ == "__main__":

@@ -3,9 +3,10 @@
 # weights, uniform random routing, prompt 512, duoserve with oracle:1, B=1 and 8. One device call each:
 #   PART=ab    16 layers, on-demand beside duoserve, with and without step graphs (two processes, one machine)
 #              -> runtime_stepgraphs_qwen3-30b-a3b_h200.json, runtime_stepgraphs_off_qwen3-30b-a3b_h200.json
-#   PART=full  all 48 layers, bf16 experts (58 GB) and then fp8 experts (29 GB), a process each (128 GiB of host
-#              memory holds one pinned copy at a time: both in one process were killed for memory)
-#              -> runtime_full_stepgraphs_qwen3-30b-a3b_h200.json, runtime_full_stepgraphs_fp8_qwen3-30b-a3b_h200.json
+#   PART=full  all 48 layers, bf16 experts (58 GB), then fp8 (29 GB), then int4 (16 GB), a process each (FORMATS
+#              picks among model fp8 int4; 128 GiB of host memory holds one pinned copy at a time: two in one
+#              process were killed for memory)
+#              -> runtime_full_stepgraphs{,_fp8,_int4}_qwen3-30b-a3b_h200.json
 # Run from the repository root with duoserve importable; DUOSERVE_COMMIT names the commit of a copied tree.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -20,8 +21,10 @@ ab)
     bench --layers 16 --new-tokens 32 --policy duoserve --policy on-demand --no-step-graphs \
         --out "$OUT/runtime_stepgraphs_off_qwen3-30b-a3b_h200.json" ;;
 full)
-    bench --new-tokens 24 --policy duoserve --out "$OUT/runtime_full_stepgraphs_qwen3-30b-a3b_h200.json"
-    bench --new-tokens 24 --policy duoserve --expert-dtype fp8 \
-        --out "$OUT/runtime_full_stepgraphs_fp8_qwen3-30b-a3b_h200.json" ;;
+    for fmt in ${FORMATS:-model fp8 int4}; do
+        suffix=${fmt/#model/}
+        bench --new-tokens 24 --policy duoserve --expert-dtype $fmt \
+            --out "$OUT/runtime_full_stepgraphs${suffix:+_$suffix}_qwen3-30b-a3b_h200.json"
+    done ;;
 *) echo "unknown PART $PART" >&2; exit 2 ;;
 esac

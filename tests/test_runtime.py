@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import itertools
 import json
 import statistics
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -1077,3 +1079,19 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
     with pytest.raises(ValueError, match="not a version-2 device profile"):
         load_profile(tmp_path / "old.json")
+
+
+def test_the_profile_timeline_times_a_streams_kernels_alone_and_beside_another_streams():
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_profile.py"
+    spec = importlib.util.spec_from_file_location("runtime_profile", path)
+    profile = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(profile)
+    kernel = lambda stream, name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
+                                            "args": {"stream": stream}}
+    trace = {"traceEvents": [kernel(9, "fetch", 100, 400), kernel(9, "fetch", 1000, 400),
+                             kernel(7, "gather", 10, 2), kernel(7, "gather", 150, 60), kernel(7, "gather", 600, 3),
+                             kernel(7, "gather", 1390, 50), kernel(7, "gemm", 700, 20), kernel(5, "tiny", 0, 1)]}
+    rows = {(r["stream"], r["kernel"]): r for r in profile.contention(trace)}
+    assert set(rows) == {(7, "gather"), (7, "gemm"), (9, "fetch")}  # stream 5 holds under 1% of the kernel time
+    assert rows[7, "gather"]["alone"] == (2, 2.5) and rows[7, "gather"]["beside"] == (2, 55.0)
+    assert rows[7, "gemm"]["beside"] == (0, None) and rows[9, "fetch"]["beside"] == (2, 400)
