@@ -231,32 +231,31 @@ def contention(trace: dict, names: int = 4) -> list[dict]:
     up as the compute stream's kernels waiting for SMs); streams with under 1% of all kernel time are left out."""
     kernels = sorted((e for e in trace["traceEvents"] if e.get("ph") == "X" and e.get("cat") == "kernel"),
                      key=lambda e: e["ts"])
-    total = defaultdict(float)
-    for e in kernels:
-        total[e["args"].get("stream"), e["name"]] += e["dur"]
+    total, by_stream = defaultdict(float), defaultdict(float)  # (stream, name) -> us, stream -> us
     spans = defaultdict(list)  # stream -> its kernels' (start, end), in start order
     for e in kernels:
-        spans[e["args"].get("stream")].append((e["ts"], e["ts"] + e["dur"]))
+        stream = e["args"].get("stream")
+        total[stream, e["name"]] += e["dur"]
+        by_stream[stream] += e["dur"]
+        spans[stream].append((e["ts"], e["ts"] + e["dur"]))
+    everything = sum(by_stream.values())
+    ranked = sorted((key for key in total if by_stream[key[0]] >= everything / 100),  # not a capture's side stream
+                    key=lambda key: (key[0], -total[key]))
+    chosen = [key for _, keys in itertools.groupby(ranked, key=lambda key: key[0])
+              for key in itertools.islice(keys, names)]  # each stream's busiest
 
     def beside(e) -> bool:
         a, b = e["ts"], e["ts"] + e["dur"]
         return any(lo < b and hi > a for stream, other in spans.items() if stream != e["args"].get("stream")
                    for lo, hi in other[max(bisect.bisect_left(other, (a,)) - 1, 0):bisect.bisect_left(other, (b,))])
 
-    rows, everything = [], sum(total.values())
-    for stream in sorted(spans):
-        if sum(t for (st, _), t in total.items() if st == stream) < everything / 100:
-            continue  # a capture's side stream, or the predictor's
-        busiest = sorted((name for st, name in total if st == stream), key=lambda n: -total[stream, n])[:names]
-        for name in busiest:
-            split = defaultdict(list)
-            for e in kernels:
-                if e["args"].get("stream") == stream and e["name"] == name:
-                    split[beside(e)].append(e["dur"])
-            rows.append({"stream": stream, "kernel": name[:60], "total_ms": total[stream, name] / 1e3,
-                         "alone": (len(split[False]), statistics.median(split[False]) if split[False] else None),
-                         "beside": (len(split[True]), statistics.median(split[True]) if split[True] else None)})
-    return rows
+    split = {key: ([], []) for key in chosen}  # (stream, name) -> (alone, beside) durations
+    for e in kernels:
+        if (durations := split.get((e["args"].get("stream"), e["name"]))) is not None:
+            durations[beside(e)].append(e["dur"])
+    return [{"stream": stream, "kernel": name[:60], "total_ms": total[stream, name] / 1e3,
+             **{side: (len(d), statistics.median(d) if d else None) for side, d in zip(("alone", "beside"), pair)}}
+            for (stream, name), pair in split.items()]
 
 
 def print_contention(rows: list[dict]) -> None:

@@ -13,7 +13,7 @@ set -euo pipefail
 WORK=${1:-out/substrate}
 mkdir -p "$WORK"
 [ -e "$WORK/model/model.safetensors" ] || python3 scripts/train_substrate_moe.py --out "$WORK/model" --max-seconds "${MAX_SECONDS:-420}"
-python3 -m duoserve.cli.trace collect --model "$WORK/model" --count "${COUNT:-150}" --max-prompt-tokens 64 --max-new-tokens 48 \
-    --lookahead 2 --nextgate-width 8 --batch-size 32 --out "$WORK/traces"
+python3 -m duoserve.cli.trace collect --model "$WORK/model" --count "${COUNT:-150}" --max-prompt-tokens 64 \
+    --max-new-tokens 48 --lookahead 2 --nextgate-width 8 --batch-size 32 --out "$WORK/traces"
 python3 -m duoserve.cli.trace info "$WORK/traces"
 python3 -m duoserve.cli.evaluate health "$WORK/traces" | tee "$WORK/health.txt"

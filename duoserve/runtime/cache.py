@@ -59,7 +59,6 @@ class ExpertCache:
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.cache_device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
         self._rows = list(self.buffer.unbind(0))  # S views of P, made once: a fetch is on the decode step's path
-        self.slots = slots
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
@@ -76,6 +75,10 @@ class ExpertCache:
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
+
+    @property
+    def slots(self) -> int:
+        return len(self.key)
 
     @property
     def open_slots(self) -> int:
@@ -132,7 +135,7 @@ class ExpertCache:
         if self._heap is None:
             skip = keep | self.pinned if self.pinned else keep
             ranked = [(-1.0, -1, s) if key is None else (wanted, used, s)
-                      for s, key, wanted, used in zip(range(self.slots), self.key, self.wanted, self.used)
+                      for s, (key, wanted, used) in enumerate(zip(self.key, self.wanted, self.used))
                       if key not in skip]
             if len(ranked) < count:
                 raise self._full(count, keep)
