@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The offload simulator's H200 inputs, and the engine measured on what the simulator replays (PART: any of
-# profiles, qwen, qwen-budget, embedded, space-separated; all by default; each a device call of a few minutes):
+# profiles, qwen, qwen-budget, embedded, slots, space-separated; all but slots by default; each a device call of a
+# few minutes):
 #   profiles     device profiles (duoserve-run profile) of Qwen3-30B-A3B's shape and of the embedded model
 #                -> duoserve/bench/profiles/h200-{qwen3-30b-a3b,embedded}.json (shipped with the package)
 #   qwen         the engine on Qwen3-30B-A3B (16 of its 48 layers, random bf16 weights, uniform random routing):
@@ -12,6 +13,9 @@
 #   embedded     the embedded model on its own trace replayed with the predictor trained on it (make demo's
 #                out/traces and out/predictor, carried), in bf16 as its profile: duoserve (trained, none),
 #                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens -> benchmarks/results/simulate_bench_embedded_h200.json
+#   slots        (not in the default set) the engine's one-group expert compute of a B = 1 and B = 8 decode call by
+#                the cache's size, 16 to 1,024 slots: benchmarks/slot_compute_probe.py, for the 2 GB rows that the
+#                simulator puts 20% under the engine -> benchmarks/results/slot_compute_probe_h200.json
 # Rounds: 3 of every Qwen configuration and 5 of the embedded one, interleaved (the bench's --repeats; the host's
 # speed drifts from run to run on a shared machine, by 10-40% in its per-op cost; the validation takes each
 # point's median). Profiles and benches belong on one machine instance: host costs differ between instances.
@@ -43,6 +47,9 @@ fi
 if want qwen-budget; then
     run bench "${qwen[@]}" --policy duoserve --policy lru --predictor oracle:0.9 --gpu-expert-budget 2GB \
         --out "$OUT/simulate_bench_qwen3-30b-a3b_2gb_h200.json"
+fi
+if want slots; then
+    python3 benchmarks/slot_compute_probe.py --out "$OUT/slot_compute_probe_h200.json"
 fi
 if want embedded; then
     run bench --model embedded --dtype bfloat16 --routing "$TRACE" --predictor "$PREDICTOR" --predictor none \

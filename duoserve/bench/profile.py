@@ -135,7 +135,7 @@ def _copy_host_us(store: HostExperts, device: torch.device, copies: int = 32) ->
     return elapsed / copies * 1e6
 
 
-def _device_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
+def device_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> float:
     """Device milliseconds of ``fn``: replayed from a CUDA graph and timed by events where it can be captured (no
     host time in it), else its median wall time, synchronised (the CPU; kernels that read the host)."""
     if device.type == "cuda":
@@ -176,7 +176,7 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
             offsets = np.searchsorted(slots, np.arange(E), side="right")  # E
             pairs = np.concatenate([np.arange(n), np.arange(n), slots, offsets]).astype(np.int32)
             pairs = torch.from_numpy(pairs).to(device)
-            ms = _device_ms(lambda: slot_experts(view, hidden, weights, pairs, E), device, s.repeats)
+            ms = device_ms(lambda: slot_experts(view, hidden, weights, pairs, E), device, s.repeats)
             rows.append({"experts": g, "tokens": T, "ms": ms})
     return rows
 
