@@ -3,9 +3,9 @@ CPU core, Qwen3-30B-A3B's shape (48 layers) on the shipped H200 profile, uniform
 
 Cases: prompt 512 + 32 new tokens at B=1 (mostly prefill token-layers, one call per layer for a whole prompt),
 the same at B=8, and the worst case, decode only (prompt 1, 64 new tokens, B=1: every token-layer is one engine
-call), with an oracle, with no predictor and with a trained predictor of the paper's widths for this geometry
-(random weights: its cost, not its accuracy; its scores computed ahead in batches, as the simulator does). The
-routing is drawn before the clock starts.
+call; B=8 too with the trained predictor), with an oracle, with no predictor and with a trained predictor of the
+paper's widths for this geometry (random weights: its cost, not its accuracy; its scores computed ahead in
+batches, as the simulator does). The routing is drawn before the clock starts.
 
     python benchmarks/simulate_speed.py --out benchmarks/results/simulate_speed_cpu.json
 """
@@ -49,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
     shape, costs = ModelShape.of("qwen3-30b-a3b"), Costs(profile)
     cases = [("duoserve", "oracle:0.9", 1, 512, 32), ("on-demand", "none", 1, 512, 32),
              ("duoserve", "oracle:0.9", 8, 512, 32), ("duoserve", "oracle:0.9", 1, 1, 64),
-             ("lru", "none", 1, 1, 64), ("duoserve", "trained", 1, 1, 64), ("duoserve", "trained", 1, 512, 32)]
+             ("lru", "none", 1, 1, 64), ("duoserve", "trained", 1, 1, 64), ("duoserve", "trained", 8, 1, 64),
+             ("duoserve", "trained", 1, 512, 32)]
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         trained = str(save_predictor(random_predictor(shape.num_layers, shape.num_experts, shape.top_k),
