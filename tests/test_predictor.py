@@ -5,9 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from duoserve.bench.shapes import random_predictor
 from duoserve.predictor.fast import (
+    CPU_ROWS,
     GraphedPredictor,
     SparseHistoryPredictor,
+    TrainedPredictor,
     fold_batchnorm,
 )
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
@@ -47,6 +50,22 @@ def test_sparse_first_layer_computes_the_same_function():
         torch.testing.assert_close(sparse(history, target), model(history, target), rtol=1e-4, atol=1e-4)
     assert torch.equal(sparse.predict(history, target).sort(1).values, model.predict(history, target).sort(1).values)
     assert not any(isinstance(m, torch.nn.Linear) and m.in_features == model.spec.input_dim for m in sparse.modules())
+
+
+def test_a_long_batch_is_scored_in_cpu_calls_that_equal_one_call():
+    predictor = TrainedPredictor(random_predictor(L, E, K, widths=(64, 32), family="hybrid", lookahead=2), sparse=True)
+    n = 2 * CPU_ROWS + 37  # two full calls and a short one
+    g = torch.Generator().manual_seed(0)
+    history = torch.rand(n, L, E, generator=g).argsort(-1)[..., :K]  # n x L x k
+    target = torch.randint(2, L, (n,), generator=g)
+    depth = torch.randint(1, 3, (n,), generator=g)
+    nextgate = torch.rand(n, E, generator=g).argsort(-1)[:, :2 * K]  # n x 2k ids
+    scores = torch.rand(n, 2 * K, generator=g).sort(1, descending=True).values  # n x 2k
+    with torch.no_grad():
+        whole = predictor.model(history, target, nextgate, scores, depth)  # one call of n rows
+    chunked = predictor.logits(history, target, nextgate, scores, depth)
+    assert chunked.shape == (n, E)
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.gpu

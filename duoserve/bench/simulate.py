@@ -66,9 +66,6 @@ from duoserve.runtime.streams import NullTimers
 
 
 PROFILES = Path(__file__).parent / "profiles"  # the device profiles shipped with the package
-# rows per call of a trained predictor run ahead: a call's activations (2,048 floats a row at the paper's widths)
-# stay in the CPU's caches (a 1,024-row call took 117 us a row, an 8,192-row one 135)
-PREDICT_ROWS = 1024
 
 
 def builtin_profiles() -> list[str]:
@@ -387,9 +384,7 @@ class _TimedPredictor:
         target = torch.cat([torch.full((n,), t, dtype=torch.long) for n, (_, _, t, _, _) in zip(sizes, asks)])  # N
         depth = torch.cat([torch.full((n,), d, dtype=torch.long) for n, (_, _, _, d, _) in zip(sizes, asks)])  # N
         features = [torch.cat(parts) for parts in zip(*(f for *_, f in asks))]  # N x m ids (and scores)
-        scores = torch.cat([self.predictor.logits(*(x[i:i + PREDICT_ROWS] for x in (history, target, *features)),
-                                                  depth=depth[i:i + PREDICT_ROWS]).sigmoid()
-                            for i in range(0, len(history), PREDICT_ROWS)])  # N x E
+        scores = self.predictor.logits(history, target, *features, depth=depth).sigmoid()  # N x E
         for (key, _, t, d, _), part in zip(asks, scores.split(sizes)):
             self.table[key, t, d] = part
 

@@ -138,6 +138,11 @@ class GraphedPredictor:
         return self.out
 
 
+# examples per call on the CPU: a call's activations (2,048 floats an example at the paper's widths) stay in the
+# caches; larger calls cost more an example (docs/benchmarks.md)
+CPU_ROWS = 1024
+
+
 class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
     the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``scores``, where
@@ -172,8 +177,13 @@ class TrainedPredictor:
     @torch.no_grad()
     def logits(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
                nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
-        """B x E logits for each example's target layer (``target``: B layer ids; ``depth``: B depths, default 1)."""
-        return self.model(history, target, nextgate, nextgate_scores, depth)
+        """B x E logits for each example's target layer (``target``: B layer ids; ``depth``: B depths, default 1);
+        on the CPU in calls of at most ``CPU_ROWS`` examples."""
+        inputs = (history, target, nextgate, nextgate_scores, depth)
+        if history.device.type != "cpu" or len(history) <= CPU_ROWS:
+            return self.model(*inputs)
+        return torch.cat([self.model(*(None if x is None else x[i:i + CPU_ROWS] for x in inputs))
+                          for i in range(0, len(history), CPU_ROWS)])  # B x E
 
     def _filled(self, B: int, value: int, device: torch.device) -> torch.Tensor:
         """B copies of ``value`` on ``device``, made once (not one fill kernel per layer of every decode step)."""
