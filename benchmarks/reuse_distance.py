@@ -8,18 +8,26 @@ The first ``--rows`` token rows of each trace, in file order (what ``--routing T
 (layer, expert) accesses, layer by layer within a token. An access's stack distance is the number of distinct
 other experts touched since that expert's previous access: an LRU cache of C experts hits exactly the accesses
 of distance < C (Mattson et al., 1970). Beside that curve, the share of accesses that the C most popular
-experts take (pinning them and nothing else). Both are plotted against C as a share of the L x E experts,
-with L x k (the experts one token touches, the least distance a token-to-token reuse can have) marked.
+experts take (pinning them and nothing else), and at a few sizes the hit rate of Belady's optimal cache, which
+knows the whole stream and evicts the expert used farthest ahead: no policy, pinned, predicted or other, that
+holds every expert it computes can hit more, so 1 - its misses / LRU's misses bounds the bytes any cache of C
+saves against LRU; and, as an online policy that uses what a stats file knows, a cache that evicts its least
+popular expert (pinning's choice, made anew at every miss, every slot in play). All are plotted against C as a
+share of the L x E experts, with L x k (the experts one token touches, the least distance a token-to-token reuse
+can have) marked.
 """
 
 from __future__ import annotations
 
+import heapq
 from pathlib import Path
 
 import numpy as np
 
 from duoserve.bench.results import parser, write_result
 from duoserve.trace.format import open_trace
+
+OPTIMAL_AT = (0.05, 0.1, 0.25, 0.5)  # cache shares at which the optimal cache is simulated (one pass each)
 
 
 def accesses(trace: Path, rows: int) -> tuple[np.ndarray, tuple[int, int, int]]:
@@ -65,6 +73,50 @@ def stack_distances(keys: np.ndarray) -> np.ndarray:
     return out
 
 
+def optimal_hits(keys: np.ndarray, capacity: int) -> float:
+    """Hit rate of Belady's MIN on ``keys`` with ``capacity`` slots: a miss is always cached, evicting the cached key
+    whose next access is farthest ahead (a max-heap of next accesses, entries of keys since re-used skipped)."""
+    n = len(keys)
+    next_use = np.full(n, n, dtype=np.int64)  # per access, when its key comes next (n: never)
+    seen: dict[int, int] = {}
+    for t in range(n - 1, -1, -1):
+        key = int(keys[t])
+        next_use[t] = seen.get(key, n)
+        seen[key] = t
+    cached: dict[int, int] = {}  # key -> its next access
+    heap: list[tuple[int, int]] = []  # (-next access, key)
+    hits = 0
+    for t, key in enumerate(keys.tolist()):
+        if key in cached:
+            hits += 1
+        elif len(cached) >= capacity:
+            while True:
+                far, victim = heapq.heappop(heap)
+                if cached.get(victim) == -far:
+                    del cached[victim]
+                    break
+        cached[key] = int(next_use[t])
+        heapq.heappush(heap, (-cached[key], key))
+    return hits / n
+
+
+def least_popular_hits(keys: np.ndarray, capacity: int, counts: np.ndarray) -> float:
+    """Hit rate of a cache of ``capacity`` that caches every miss and evicts the cached key of the fewest
+    ``counts`` (ties: the key's id)."""
+    cached: set[int] = set()
+    heap: list[tuple[int, int]] = []  # (count, key) of the cached keys
+    hits = 0
+    for key in keys.tolist():
+        if key in cached:
+            hits += 1
+            continue
+        if len(cached) >= capacity:
+            cached.discard(heapq.heappop(heap)[1])
+        cached.add(key)
+        heapq.heappush(heap, (int(counts[key]), key))
+    return hits / len(keys)
+
+
 def main() -> None:
     ap = parser(__doc__, geometry=None)
     ap.add_argument("--trace", action="append", default=[], help="NAME=DIR, repeatable")
@@ -79,16 +131,25 @@ def main() -> None:
         dist = stack_distances(keys)
         slots = np.maximum(1, (shares * L * E).astype(int))
         lru = [(np.count_nonzero((dist >= 0) & (dist < c)) / len(dist)) for c in slots]
-        counts = np.sort(np.bincount(keys, minlength=L * E))[::-1]
+        by_key = np.bincount(keys, minlength=L * E)  # accesses of each (layer, expert)
+        counts = np.sort(by_key)[::-1]
         pinned = np.cumsum(counts)[slots - 1] / len(keys)
         reuse = dist[dist >= 0]
+        sizes = {share: max(1, int(share * L * E)) for share in OPTIMAL_AT}
+        optimal = {share: optimal_hits(keys, c) for share, c in sizes.items()}
+        popular = {share: least_popular_hits(keys, c, by_key) for share, c in sizes.items()}
         results[name] = {"geometry": [L, E, k], "accesses": len(keys), "token_footprint": L * k,
                          "reuse_distance_quantiles": {q: float(np.quantile(reuse, q)) for q in (0.1, 0.25, 0.5, 0.75)},
                          "share_of_reuses_within_10pct": float(np.mean(reuse < 0.1 * L * E)),
-                         "curve": {"cache_share": shares.tolist(), "lru_hit": lru, "pin_top_hit": pinned.tolist()}}
+                         "curve": {"cache_share": shares.tolist(), "lru_hit": lru, "pin_top_hit": pinned.tolist()},
+                         "optimal_hit": {str(share): hit for share, hit in optimal.items()},
+                         "evict_least_popular_hit": {str(share): hit for share, hit in popular.items()},
+                         "bytes_saved_vs_lru_at_most": {str(share): 1 - (1 - hit) / (1 - lru[round(share * 100) - 1])
+                                                        for share, hit in optimal.items()}}
         print(f"{name}: L x E = {L * E}, one token touches {L * k}; reuse distance quartiles "
               f"{[round(v) for v in results[name]['reuse_distance_quantiles'].values()]}; at 10% of the experts "
-              f"LRU hits {lru[9]:.3f}, the most popular 10% take {pinned[9]:.3f} of accesses")
+              f"LRU hits {lru[9]:.3f}, the most popular 10% take {pinned[9]:.3f} of accesses, the optimal cache hits "
+              f"{optimal[0.1]:.3f}, one evicting its least popular {popular[0.1]:.3f}")
     if args.plot:
         import matplotlib
 
@@ -101,6 +162,10 @@ def main() -> None:
             c = r["curve"]
             ax.plot(np.array(c["cache_share"]) * 100, c["lru_hit"], label="LRU (stack distance)")
             ax.plot(np.array(c["cache_share"]) * 100, c["pin_top_hit"], label="pin the most popular")
+            ax.plot([100 * float(x) for x in r["optimal_hit"]], list(r["optimal_hit"].values()), "o--",
+                    label="optimal (Belady), the ceiling")
+            ax.plot([100 * float(x) for x in r["evict_least_popular_hit"]], list(r["evict_least_popular_hit"].values()),
+                    "s:", label="evict the least popular")
             ax.axvline(100 * L * k / (L * E), color="grey", ls=":", label="one token's experts (L x k)")
             ax.axvline(10, color="red", ls="--", lw=0.8, label="10% budget")
             ax.set(title=f"{name} ({L} x {E}, top-{k})", xlabel="cache, % of all experts", ylabel="hit rate",
