@@ -130,7 +130,8 @@ def main() -> None:
         keys, (L, E, k) = accesses(Path(path), args.rows)
         dist = stack_distances(keys)
         slots = np.maximum(1, (shares * L * E).astype(int))
-        lru = [(np.count_nonzero((dist >= 0) & (dist < c)) / len(dist)) for c in slots]
+        lru_hits = lambda c: np.count_nonzero((dist >= 0) & (dist < c)) / len(dist)  # noqa: E731
+        lru = [lru_hits(c) for c in slots]
         by_key = np.bincount(keys, minlength=L * E)  # accesses of each (layer, expert)
         counts = np.sort(by_key)[::-1]
         pinned = np.cumsum(counts)[slots - 1] / len(keys)
@@ -144,7 +145,7 @@ def main() -> None:
                          "curve": {"cache_share": shares.tolist(), "lru_hit": lru, "pin_top_hit": pinned.tolist()},
                          "optimal_hit": {str(share): hit for share, hit in optimal.items()},
                          "evict_least_popular_hit": {str(share): hit for share, hit in popular.items()},
-                         "bytes_saved_vs_lru_at_most": {str(share): 1 - (1 - hit) / (1 - lru[round(share * 100) - 1])
+                         "bytes_saved_vs_lru_at_most": {str(share): 1 - (1 - hit) / (1 - lru_hits(sizes[share]))
                                                         for share, hit in optimal.items()}}
         print(f"{name}: L x E = {L * E}, one token touches {L * k}; reuse distance quartiles "
               f"{[round(v) for v in results[name]['reuse_distance_quantiles'].values()]}; at 10% of the experts "

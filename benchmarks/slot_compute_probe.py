@@ -24,7 +24,7 @@ import torch
 
 from duoserve.bench.profile import device_ms
 from duoserve.bench.results import parser, write_result
-from duoserve.bench.shapes import SHAPES, save_shape
+from duoserve.bench.shapes import SHAPES, model_source
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
 from duoserve.runtime.experts import Routing, SlotView, slot_experts, slot_windows
@@ -42,8 +42,7 @@ def main(argv: list[str] | None = None) -> dict:
     device = resolve_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with tempfile.TemporaryDirectory() as folder, torch.no_grad():
-        source = str(save_shape(args.shape, folder)) if args.shape in SHAPES else args.shape
-        model = model_from_config(source, device, str(dtype).removeprefix("torch."), 1)
+        model = model_from_config(model_source(args.shape, folder), device, str(dtype).removeprefix("torch."), 1)
         moe = find_moe_layers(model)
         g = moe_geometry(model, moe)
         experts = moe[0].experts

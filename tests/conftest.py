@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,15 @@ import torch
 from transformers import AutoTokenizer
 
 from duoserve.embedded import EMBEDDED_MODEL
+
+def load_benchmark(name: str):
+    """A script of ``benchmarks/`` as a module (the folder is not a package)."""
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
 
 COMMON = dict(hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=2048, initializer_range=0.2, tie_word_embeddings=False)

@@ -16,6 +16,7 @@ from duoserve.predictor.baselines import affinity_markov_scores
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.trace import open_trace
 from duoserve.train.fit import FitSettings, fit
+from tests.conftest import load_benchmark
 
 SMALL = dict(widths=(64,), epochs=1, batch_size=512, progress=False, clean=True)
 
@@ -135,12 +136,7 @@ FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
 
 @pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
 def test_a_real_models_routing_imports_and_trains_history_only_heads(tmp_path):
-    import importlib.util
-
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "flame_moe.py"
-    spec = importlib.util.spec_from_file_location("flame_moe", script)
-    flame = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(flame)
+    flame = load_benchmark("flame_moe")
     traces = flame.import_flame(FLAME, tmp_path)
     table = load_routing([open_trace(t) for t in traces])
     assert (table.meta.num_layers, table.meta.num_experts, table.meta.top_k) == (25, 64, 6)

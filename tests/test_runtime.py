@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
+import functools
 import itertools
 import json
 import statistics
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -38,6 +37,7 @@ from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
 from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
+from tests.conftest import load_benchmark
 
 OFFLOAD = [name for name, p in POLICIES.items() if not p.resident]
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
@@ -1082,10 +1082,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
 
 
 def test_the_profile_timeline_times_a_streams_kernels_alone_and_beside_another_streams():
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "runtime_profile.py"
-    spec = importlib.util.spec_from_file_location("runtime_profile", path)
-    profile = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(profile)
+    profile = load_benchmark("runtime_profile")
     kernel = lambda stream, name, ts, dur: {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur,
                                             "args": {"stream": stream}}
     trace = {"traceEvents": [kernel(9, "fetch", 100, 400), kernel(9, "fetch", 1000, 400),
@@ -1095,3 +1092,25 @@ def test_the_profile_timeline_times_a_streams_kernels_alone_and_beside_another_s
     assert set(rows) == {(7, "gather"), (7, "gemm"), (9, "fetch")}  # stream 5 holds under 1% of the kernel time
     assert rows[7, "gather"]["alone"] == (2, 2.5) and rows[7, "gather"]["beside"] == (2, 55.0)
     assert rows[7, "gemm"]["beside"] == (0, None) and rows[9, "fetch"]["beside"] == (2, 400)
+
+
+def test_the_optimal_cache_of_the_reuse_study_hits_what_an_exhaustive_search_finds():
+    optimal_hits = load_benchmark("reuse_distance").optimal_hits
+
+    @functools.cache
+    def best(stream: tuple[int, ...], capacity: int, cached: frozenset = frozenset()) -> int:
+        """Most hits over every eviction choice: the definition the Belady policy must meet."""
+        if not stream:
+            return 0
+        key, rest = stream[0], stream[1:]
+        if key in cached:
+            return 1 + best(rest, capacity, cached)
+        if len(cached) < capacity:
+            return best(rest, capacity, cached | {key})
+        return max(best(rest, capacity, cached - {victim} | {key}) for victim in cached)
+
+    rng = np.random.default_rng(0)
+    for _ in range(60):
+        stream, capacity = rng.integers(0, 5, 11), int(rng.integers(1, 4))
+        assert optimal_hits(stream, capacity) * len(stream) == pytest.approx(best(tuple(stream.tolist()), capacity))
+    assert optimal_hits(np.array([0, 1, 2] * 100), 2) > 0.49  # a cycle one longer than the cache: LRU hits none

@@ -43,6 +43,12 @@ def save_shape(name: str, folder: str | Path, num_layers: int | None = None, **o
     return Path(folder)
 
 
+def model_source(spec: str, folder: str | Path) -> str:
+    """What ``model_from_config`` builds for ``spec``: a named shape, its config written into ``folder``; anything
+    else (a config's hub id or path, ``embedded``) as given."""
+    return str(save_shape(spec, folder)) if spec in SHAPES else spec
+
+
 def random_predictor(L: int, E: int, k: int, widths: tuple[int, ...] = PAPER_WIDTHS,
                      family: str = "paper", lookahead: int = 1) -> ExpertPredictor:
     """A predictor of the given geometry, family and look-ahead depth with random weights and statistics (seeded):

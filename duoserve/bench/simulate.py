@@ -51,7 +51,7 @@ import torch
 
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, open_routing_trace, oracle_recall
 from duoserve.bench.profile import load_profile
-from duoserve.bench.shapes import SHAPES, save_shape
+from duoserve.bench.shapes import model_source
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
@@ -326,8 +326,7 @@ class ModelShape:
         """A named shape (``duoserve.bench.shapes``), a config (hub id, local path) or ``embedded``, built on the
         meta device (no memory); ``layers``: keep that many decoder layers."""
         with tempfile.TemporaryDirectory() as folder:
-            source = str(save_shape(spec, folder)) if spec in SHAPES else spec
-            net = model_from_config(source, torch.device("meta"), dtype, layers)
+            net = model_from_config(model_source(spec, folder), torch.device("meta"), dtype, layers)
         moe = find_moe_layers(net)
         g = moe_geometry(net, moe)
         params = expert_params(moe[0].experts)
