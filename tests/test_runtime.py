@@ -469,8 +469,17 @@ def test_a_cache_of_more_slots_than_a_grouped_gemm_takes_computes_per_window(mon
     finally:
         put_experts(find_moe_layers(model), stores, "cpu")
     assert torch.equal(tokens, reference)
-    assert groups and max(groups) <= experts_module.MAX_GROUPS
+    assert groups and max(groups) < 1024  # torch's CUDA grouped GEMM: group_count < 1024
     assert any(len(w) > 1 for w in windows if w), "no call spanned two windows of slots"
+
+
+def test_a_cache_of_exactly_1024_slots_is_split_into_windows_torch_accepts():
+    """torch's CUDA grouped GEMM refuses 1,024 groups, so a cache of exactly 1,024 slots needs two windows."""
+    ids = torch.arange(8).reshape(1, 8)  # one token routed to experts 0..7
+    slots = {e: 1023 - e for e in range(8)}  # cached in the last slots, the second window
+    rows = Routing(ids, 1024).rows(slots, 1024)
+    windows = experts_module.slot_windows(rows, 1024)
+    assert windows == [(0, 1023, 0, 7), (1023, 1024, 7, 8)]  # slot 1023 (expert 0) alone in the second window
 
 
 
