@@ -682,6 +682,24 @@ def test_generate_cli(tmp_path):
     assert bad.exit_code == 2 and "--prefetch-min-score" in bad.output and "Loading" not in bad.output
 
 
+def test_a_config_only_model_too_large_for_the_device_is_built_in_host_memory(arch_models):
+    """A config-only bench model that would not fit the GPU's free memory is initialised on the host, in the dtype
+    it would have had on the GPU (bf16, not the CPU's float32); one that fits is built on the GPU as before."""
+    from duoserve.bench.harness import BenchSettings, build_model
+
+    s = BenchSettings(model=str(arch_models["mixtral"]), config_only=True, layers=2)
+    said = []
+    model = build_model(s, torch.device("cuda"), free_bytes=1, say=said.append)  # a byte free: no CUDA used
+    params = list(model.parameters())
+    need = sum(p.numel() * p.element_size() for p in params)
+    assert {p.device.type for p in params} == {"cpu"} and {p.dtype for p in params} == {torch.bfloat16}
+    assert len(find_moe_layers(model)) == 2 and "host memory" in said[0]
+    if torch.cuda.is_available():  # room to spare: on the GPU, nothing said
+        said.clear()
+        model = build_model(s, torch.device("cuda"), free_bytes=2 * need, say=said.append)
+        assert next(model.parameters()).device.type == "cuda" and not said
+
+
 def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_models):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--layers", "2", "--routing", "random",

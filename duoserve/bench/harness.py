@@ -85,11 +85,24 @@ class BenchSettings:
         return self.expert_dtypes if policy.quantizable else ["model"]
 
 
-def build_model(s: BenchSettings, device: torch.device):
-    """The model (eval mode) with all weights, on ``device`` when config-only (random init), else on the CPU."""
-    if s.config_only:
-        return model_from_config(s.model, device, s.dtype, s.layers)
-    return load_model(s.model, device="cpu", dtype=s.dtype)[0]
+def build_model(s: BenchSettings, device: torch.device, free_bytes: int | None = None,
+                say: Callable[[str], None] = lambda _: None):
+    """The model (eval mode) with all weights: config-only (random init) on ``device``, or in host memory where its
+    weights would not fit the device's free memory (``free_bytes``, default: measured now), as a full-depth
+    Mixtral-8x7B (93 GB) on an 80 GB card; ``prepare`` then moves all but the experts. A checkpoint loads on the CPU.
+    """
+    if not s.config_only:
+        return load_model(s.model, device="cpu", dtype=s.dtype)[0]
+    dtype = "bfloat16" if s.dtype == "auto" and device.type == "cuda" else s.dtype  # as it would be on the device
+    if device.type == "cuda":
+        meta = model_from_config(s.model, torch.device("meta"), dtype, s.layers)  # the geometry, no memory
+        need = sum(p.numel() * p.element_size() for p in meta.parameters())
+        free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
+        if need > 0.9 * free:  # headroom for the cache, activations and the CUDA context
+            say(f"the model's {need / GB:.1f} GB do not fit the device's {free / GB:.1f} GB free: initialising it in "
+                "host memory (slower)")
+            device = torch.device("cpu")
+    return model_from_config(s.model, device, dtype, s.layers)
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, trials: int = 3) -> dict[str, float | None]:
@@ -220,7 +233,7 @@ def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
     full-depth model keeps one host copy per form: no model-dtype copy beside quantized ones unless a policy
     runs it, and the per-module copy pinned when Accelerate's pinned offload is its only reader (Accelerate then
     uses it as its state dict, no second copy). The resident policies put back whichever store there is."""
-    model = build_model(s, device)
+    model = build_model(s, device, say=say)
     layers = find_moe_layers(model)
     pin = device.type == "cuda"
     packed = {f for p in policies if p.pinned and not p.resident for f in s.dtypes_of(p)}  # cpu-experts: "model"
