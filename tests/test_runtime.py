@@ -682,22 +682,40 @@ def test_generate_cli(tmp_path):
     assert bad.exit_code == 2 and "--prefetch-min-score" in bad.output and "Loading" not in bad.output
 
 
-def test_a_config_only_model_too_large_for_the_device_is_built_in_host_memory(arch_models):
-    """A config-only bench model that would not fit the GPU's free memory is initialised on the host, in the dtype
-    it would have had on the GPU (bf16, not the CPU's float32); one that fits is built on the GPU as before."""
-    from duoserve.bench.harness import BenchSettings, build_model
+def test_a_config_only_model_too_large_for_the_device_keeps_its_experts_in_host_memory(arch_models, monkeypatch):
+    """A config-only bench model that would not fit the GPU's free memory is initialised a module at a time, its
+    experts left in host memory, in the dtype it would have had on the GPU (bf16, not the CPU's float32), and with
+    transformers' own initial values: norms at one, the rotary frequencies of a model built whole, experts drawn
+    at the config's initializer range. (The CPU stands in for the GPU the builder is given.)"""
+    import duoserve.bench.harness as harness
+    from duoserve.loading import model_from_config
 
-    s = BenchSettings(model=str(arch_models["mixtral"]), config_only=True, layers=2)
+    builder, calls = harness.model_from_config_experts_on_host, []
+    monkeypatch.setattr(harness, "model_from_config_experts_on_host", lambda model, device, dtype, layers:
+                        calls.append((device.type, dtype)) or builder(model, torch.device("cpu"), dtype, layers))
+    s = harness.BenchSettings(model=str(arch_models["mixtral"]), config_only=True, layers=2)
     said = []
-    model = build_model(s, torch.device("cuda"), free_bytes=1, say=said.append)  # a byte free: no CUDA used
-    params = list(model.parameters())
-    need = sum(p.numel() * p.element_size() for p in params)
-    assert {p.device.type for p in params} == {"cpu"} and {p.dtype for p in params} == {torch.bfloat16}
-    assert len(find_moe_layers(model)) == 2 and "host memory" in said[0]
-    if torch.cuda.is_available():  # room to spare: on the GPU, nothing said
+    model = harness.build_model(s, torch.device("cuda"), free_bytes=1, say=said.append)  # a byte free
+    assert calls == [("cuda", "bfloat16")] and "host memory" in said[0]
+    whole = model_from_config(s.model, torch.device("cpu"), "bfloat16", 2)
+    assert not any(t.is_meta for t in (*model.parameters(), *model.buffers()))
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    built, reference = dict(model.named_buffers()), dict(whole.named_buffers())
+    assert built.keys() == reference.keys() and all(torch.equal(built[n], reference[n]) for n in built)
+    layers, std = find_moe_layers(model), model.config.initializer_range
+    assert len(layers) == 2
+    for layer in layers:
+        for p in expert_params(layer.experts).values():
+            assert abs(p.float().std().item() - std) < 0.2 * std
+    norms = [p for n, p in model.named_parameters() if "norm" in n]
+    assert norms and all(torch.equal(p, torch.ones_like(p)) for p in norms)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.tensor([[1, 2, 3]])).logits).all()
+    if torch.cuda.is_available():  # room to spare: built whole on the GPU, nothing said
         said.clear()
-        model = build_model(s, torch.device("cuda"), free_bytes=2 * need, say=said.append)
-        assert next(model.parameters()).device.type == "cuda" and not said
+        need = sum(p.numel() * p.element_size() for p in model.parameters())
+        model = harness.build_model(s, torch.device("cuda"), free_bytes=2 * need, say=said.append)
+        assert next(model.parameters()).device.type == "cuda" and not said and len(calls) == 1
 
 
 def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_models):

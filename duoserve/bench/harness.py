@@ -26,7 +26,7 @@ from duoserve.bench.drivers import (
 )
 from duoserve.bench.targets import GB, add_bounds, check_targets
 from duoserve.discovery import find_moe_layers, moe_geometry
-from duoserve.loading import load_model, model_from_config, resolve_device
+from duoserve.loading import load_model, model_from_config, model_from_config_experts_on_host, resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.generation import cache_for, offload_plugin, timed_generate
@@ -87,10 +87,9 @@ class BenchSettings:
 
 def build_model(s: BenchSettings, device: torch.device, free_bytes: int | None = None,
                 say: Callable[[str], None] = lambda _: None):
-    """The model (eval mode) with all weights: config-only (random init) on ``device``, or in host memory where its
-    weights would not fit the device's free memory (``free_bytes``, default: measured now), as a full-depth
-    Mixtral-8x7B (93 GB) on an 80 GB card; ``prepare`` then moves all but the experts. A checkpoint loads on the CPU.
-    """
+    """The model (eval mode) with all weights: config-only (random init) on ``device``, or with its experts in host
+    memory where its weights would not fit the device's free memory (``free_bytes``, default: measured now), as a
+    full-depth Mixtral-8x7B (93 GB) on an 80 GB card. A checkpoint loads on the CPU."""
     if not s.config_only:
         return load_model(s.model, device="cpu", dtype=s.dtype)[0]
     dtype = "bfloat16" if s.dtype == "auto" and device.type == "cuda" else s.dtype  # as it would be on the device
@@ -99,9 +98,9 @@ def build_model(s: BenchSettings, device: torch.device, free_bytes: int | None =
         need = sum(p.numel() * p.element_size() for p in meta.parameters())
         free = torch.cuda.mem_get_info(device)[0] if free_bytes is None else free_bytes
         if need > 0.9 * free:  # headroom for the cache, activations and the CUDA context
-            say(f"the model's {need / GB:.1f} GB do not fit the device's {free / GB:.1f} GB free: initialising it in "
-                "host memory (slower)")
-            device = torch.device("cpu")
+            say(f"the model's {need / GB:.1f} GB do not fit the device's {free / GB:.1f} GB free: initialising it a "
+                "module at a time, its experts kept in host memory")
+            return model_from_config_experts_on_host(s.model, device, dtype, s.layers)
     return model_from_config(s.model, device, dtype, s.layers)
 
 
@@ -244,7 +243,8 @@ def prepare(s: BenchSettings, policies: list[Policy], device: torch.device,
     quantized = sorted(packed - {"model"})
     repin = pin and not pin_modules and any(p.accelerate == "pinned" for p in readers)  # Accelerate pins its own
     forms = [*quantized, *(["model"] if "model" in packed else []), *(["modules"] * (1 + repin) if readers else [])]
-    _check_host_memory(layers, forms, freed=next(model.parameters()).device.type == "cpu")
+    on_host = next(iter(expert_params(layers[0].experts).values())).device.type == "cpu"
+    _check_host_memory(layers, forms, freed=on_host)
     if quantized:
         say(f"quantizing the experts to {', '.join(quantized)}")
 
