@@ -482,7 +482,6 @@ def test_a_cache_of_exactly_1024_slots_is_split_into_windows_torch_accepts():
     assert windows == [(0, 1023, 0, 7), (1023, 1024, 7, 8)]  # slot 1023 (expert 0) alone in the second window
 
 
-
 @pytest.mark.parametrize("num_experts", [6, 300])  # ids sorted as 8-bit and as 16-bit integers
 def test_routing_keeps_each_experts_pairs_in_token_order(num_experts):
     ids = RandomRouting(1, num_experts, 4, seed=1).begin(500)[0]  # T=500, k=4

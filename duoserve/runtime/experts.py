@@ -40,7 +40,7 @@ from transformers.integrations.moe import _grouped_linear
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.streams import EngineTimers, Streams
 
-# groups one grouped GEMM takes: torch's CUDA kernel checks group_count < 1024 (a cache of exactly 1,024 slots
+# groups one grouped GEMM takes: torch's CUDA kernel checks group_count < 1024 (a call over exactly 1,024 slots
 # failed on an H100); applied on every device alike
 MAX_GROUPS = 1023
 Window = tuple[int, int, int, int]  # slots s0..s1-1 and their pairs p0..p1-1 in a call's rows
