@@ -130,7 +130,9 @@ def main() -> None:
         keys, (L, E, k) = accesses(Path(path), args.rows)
         dist = stack_distances(keys)
         slots = np.maximum(1, (shares * L * E).astype(int))
-        lru_hits = lambda c: np.count_nonzero((dist >= 0) & (dist < c)) / len(dist)  # noqa: E731
+        def lru_hits(c: int) -> float:
+            return np.count_nonzero((dist >= 0) & (dist < c)) / len(dist)
+
         lru = [lru_hits(c) for c in slots]
         by_key = np.bincount(keys, minlength=L * E)  # accesses of each (layer, expert)
         counts = np.sort(by_key)[::-1]

@@ -55,6 +55,12 @@ def _local_or_hub(model: str) -> str:
     return path
 
 
+def config_dtype(dtype: str, device: torch.device) -> str:
+    """``dtype`` as a model built from its config takes it on ``device``: 'auto' is bfloat16 on a GPU, float32
+    elsewhere."""
+    return ("bfloat16" if device.type == "cuda" else "float32") if dtype == "auto" else dtype
+
+
 def _dtype(dtype: str):
     if dtype not in DTYPES:
         raise ValueError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}")
@@ -131,15 +137,13 @@ def model_from_config(model: str, device: torch.device, dtype: str = "auto", lay
     keeps that many decoder layers. dtype 'auto' is bfloat16 on a GPU, float32 on the CPU."""
     from transformers import AutoModelForCausalLM
 
-    torch_dtype = _dtype(dtype)
+    torch_dtype = _dtype(config_dtype(dtype, device))
     config = _config(model)
     if layers:
         text = config.get_text_config()
         text.num_hidden_layers = layers
         if getattr(text, "layer_types", None):
             text.layer_types = text.layer_types[:layers]
-    if torch_dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     with torch.device(device):
         net = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
     return net.eval()
@@ -149,14 +153,12 @@ def model_from_config(model: str, device: torch.device, dtype: str = "auto", lay
 def model_from_config_experts_on_host(model: str, device: torch.device, dtype: str, layers: int | None = None):
     """``model_from_config`` for a model too large for ``device``: built on the meta device, then initialised one
     module at a time on ``device`` (a GPU draws random numbers far faster than a host, ~0.1 GB/s a core), each MoE
-    layer's experts moved to host memory as soon as they are drawn. Peak device memory: the non-expert part and one layer's
-    experts. Each module gets transformers' own initialiser, the one ``initialize_weights`` applies module by
-    module (norms at one, rotary frequencies recomputed)."""
+    layer's experts moved to host memory as soon as they are drawn. Peak device memory: the non-expert part and
+    one layer's experts. Each module gets transformers' own initialiser, the one ``initialize_weights`` applies
+    module by module (norms at one, rotary frequencies recomputed)."""
     from duoserve.discovery import find_moe_layers
 
-    if dtype == "auto":  # as model_from_config resolves it on ``device``, not on the meta device
-        dtype = "bfloat16" if device.type == "cuda" else "float32"
-    net = model_from_config(model, torch.device("meta"), dtype, layers)
+    net = model_from_config(model, torch.device("meta"), config_dtype(dtype, device), layers)  # ``device``'s dtype
     experts = {id(layer.experts) for layer in find_moe_layers(net)}
     for module in net.modules():
         if any(t.is_meta for t in (*module.parameters(recurse=False), *module.buffers(recurse=False))):

@@ -26,7 +26,13 @@ from duoserve.bench.drivers import (
 )
 from duoserve.bench.targets import GB, add_bounds, check_targets
 from duoserve.discovery import find_moe_layers, moe_geometry
-from duoserve.loading import load_model, model_from_config, model_from_config_experts_on_host, resolve_device
+from duoserve.loading import (
+    config_dtype,
+    load_model,
+    model_from_config,
+    model_from_config_experts_on_host,
+    resolve_device,
+)
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.generation import cache_for, offload_plugin, timed_generate
@@ -92,7 +98,7 @@ def build_model(s: BenchSettings, device: torch.device, free_bytes: int | None =
     full-depth Mixtral-8x7B (93 GB) on an 80 GB card. A checkpoint loads on the CPU."""
     if not s.config_only:
         return load_model(s.model, device="cpu", dtype=s.dtype)[0]
-    dtype = "bfloat16" if s.dtype == "auto" and device.type == "cuda" else s.dtype  # as it would be on the device
+    dtype = config_dtype(s.dtype, device)  # the meta build below measures the model in the device's dtype
     if device.type == "cuda":
         meta = model_from_config(s.model, torch.device("meta"), dtype, s.layers)  # the geometry, no memory
         need = sum(p.numel() * p.element_size() for p in meta.parameters())
