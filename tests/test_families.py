@@ -178,8 +178,9 @@ def test_residual_exports_to_onnx_with_its_next_gate_inputs(embedded_trace, tmp_
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
+@pytest.mark.parametrize("compile", [False, True], ids=["plain", "compiled"])
 @pytest.mark.parametrize("family", ["hybrid", "residual"])
-def test_next_gate_families_replay_as_cuda_graphs(family):
+def test_next_gate_families_replay_as_cuda_graphs(family, compile):
     from duoserve.predictor import TrainedPredictor
 
     L, E, k, m, B = 8, 16, 4, 8, 3
@@ -190,8 +191,8 @@ def test_next_gate_families_replay_as_cuda_graphs(family):
     history = torch.rand(B, L, E, generator=g).argsort(-1)[..., :k]  # B x L x k
     nextgate = torch.rand(B, E, generator=g).argsort(-1)[:, :m]  # B x m
     scores = torch.rand(B, m, generator=g).sort(1, descending=True).values
-    deployed = TrainedPredictor(model, "cuda")
-    deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda())  # captured
+    deployed = TrainedPredictor(model, "cuda", compile=compile)
+    deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda())  # captured (compiled first)
     replayed = deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda()).cpu()
     with torch.no_grad():
         expected = model(history, torch.full((B,), 3), nextgate, scores).sigmoid()

@@ -437,7 +437,7 @@ def _kernel_ms(fn: Callable[[], None]) -> float:
 
 def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.device) -> list[dict]:
     """Host and wall milliseconds of one decode-time predictor call (scores of one target, its top-k), by batch."""
-    predictor = TrainedPredictor(random_predictor(L, E, k), device)
+    predictor = TrainedPredictor(random_predictor(L, E, k), device, compile=True)  # as the engine deploys it
     rows = []
     for B in s.batch_sizes:
         history = torch.randint(E, (B, L, k), device=device)  # B x L x k

@@ -142,7 +142,8 @@ LookaheadOption = Annotated[int, typer.Option(
     help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. A trained predictor "
          "needs heads that deep (duoserve-train fit --lookahead D, D >= d); oracles take any.")]
 EagerOption = Annotated[bool, typer.Option(
-    help="Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py).")]
+    help="Launch every decode call's kernels; no CUDA graph replays (see duoserve/runtime/experts.py), and a trained "
+         "predictor's graphs captured without torch.compile.")]
 StepGraphsOption = Annotated[bool, typer.Option(
     help="On a GPU, replay each decode step's attention, norms and routers from CUDA graphs around the experts "
          "calls, on a static KV cache (see duoserve/runtime/stepgraph.py).")]

@@ -147,13 +147,16 @@ class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
     the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``scores``, where
     on CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's prediction
-    costs the host one replay instead of a launch per operation (about 30).
+    costs the host one replay instead of a launch per operation (about 30). ``compile``: each graph is captured
+    from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; the first call of each batch
+    size compiles it, which takes seconds).
     """
 
     on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
 
-    def __init__(self, predictor: ExpertPredictor, device: str | torch.device = "cpu", sparse: bool = False):
-        self.predictor = predictor
+    def __init__(self, predictor: ExpertPredictor, device: str | torch.device = "cpu", sparse: bool = False,
+                 compile: bool = False):
+        self.predictor, self.compile = predictor, compile
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
         self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids
@@ -203,5 +206,5 @@ class TrainedPredictor:
             return self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()
         if B not in self._graphs:
             self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
-                                               module=self.model)
+                                               compile=self.compile, module=self.model)
         return self._graphs[B](history, layer, nextgate, nextgate_scores, ahead)

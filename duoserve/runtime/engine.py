@@ -53,7 +53,7 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
         self.device = torch.device(device) if device is not None else next(model.parameters()).device
         if isinstance(predictor, ExpertPredictor):
             predictor.check_geometry(self.L, self.E, self.k)
-            predictor = TrainedPredictor(predictor, self.device)
+            predictor = TrainedPredictor(predictor, self.device, compile=not settings.eager)
 
         def compute(cache, streams, timers) -> SlotCompute:
             graphs = not settings.eager and graphs_supported(cache.layout.dtype, self.device)

@@ -26,7 +26,9 @@ class EngineSettings:
     predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor needs heads that deep
     (``duoserve-train fit --lookahead D`` with D >= d); oracles take any d.
     ``eager``: never replay decode calls from CUDA graphs (``experts.py`` says where they are used), nor the decode
-    step's layers.
+    step's layers, and capture a trained predictor's graphs from its plain call, not from ``torch.compile``'s (which
+    takes seconds to compile at each batch size's first decode step, and replays 0.08 ms a call against 0.10 on
+    the H200 at Qwen3-30B-A3B's shape: docs/benchmarks.md).
     ``step_graphs``: on a GPU, replay a decode step's work outside the experts (attention, norms, routers) from
     CUDA graphs, a piece per stretch between experts calls, on a static KV cache (``stepgraph.py``).
     ``prefetch_min_score``: copy ahead only predicted experts scored at least this (a trained predictor's scores
