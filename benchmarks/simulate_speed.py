@@ -21,7 +21,8 @@ import torch
 from duoserve.bench.drivers import RandomRouting
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.shapes import random_predictor
-from duoserve.bench.simulate import Costs, ModelShape, Simulator, generation_passes, resolve_profile, run
+from duoserve.bench.costs import Costs, resolve_profile
+from duoserve.bench.simulate import ModelShape, Simulator, generation_passes, run
 from duoserve.predictor.artifact import save_predictor
 from duoserve.runtime.policies import POLICIES
 

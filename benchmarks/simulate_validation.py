@@ -19,7 +19,8 @@ from rich.table import Table
 
 from duoserve.bench.drivers import RandomRouting, ReplayRouting
 from duoserve.bench.results import parser, write_result
-from duoserve.bench.simulate import Costs, ModelShape, Simulator, bench_passes, resolve_profile, run
+from duoserve.bench.costs import Costs, resolve_profile
+from duoserve.bench.simulate import ModelShape, Simulator, bench_passes, run
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.settings import EngineSettings
 

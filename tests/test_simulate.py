@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from duoserve.bench.drivers import OraclePredictor, RandomRouting
-from duoserve.bench.simulate import Costs, ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
+from duoserve.bench.costs import Costs
+from duoserve.bench.simulate import ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
 from duoserve.discovery import find_moe_layers
 from duoserve.loading import load_model
 from duoserve.predictor.artifact import load_predictor, save_predictor

@@ -5,7 +5,7 @@ m next-gate width, S cache slots.
 
 It runs the runtime's own schedule (``duoserve.runtime.scheduler.ExpertScheduler``: the cache, its eviction and
 pins, prefill grouping, decode prefetch with the predictor's real predictions, re-fetch on a miss, look-ahead)
-over stand-ins that do no work but advance clocks by a device profile's costs (``profile.py``):
+over stand-ins that do no work but advance clocks by a device profile's costs (``clocks.py``, ``costs.py``):
 
   streams   one clock per stream and one for the host; an event is the time its stream's work so far ends, a wait
             moves a stream's clock to it (the compute stream's waits for copies, and copies on it, are its
@@ -32,16 +32,14 @@ host-to-device transfers of two streams contending (an upload on the compute str
 stream's backlog on the H200: the engine queues none where a copy backlog stands, ``schedule.py``).
 """
 
+
 from __future__ import annotations
 
-import functools
 import itertools
-import math
 import statistics
 import tempfile
 import time
 from collections.abc import Iterable, Iterator
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
@@ -49,265 +47,20 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from duoserve.bench.clocks import SimCompute, SimStore, SimStreams
+from duoserve.bench.costs import Costs
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, open_routing_trace, oracle_recall
-from duoserve.bench.profile import load_profile
 from duoserve.bench.shapes import model_source
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.policies import Policy
-from duoserve.runtime.quant import stored_nbytes
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import RoutingSource
 from duoserve.runtime.store import ExpertLayout, expert_params
 from duoserve.runtime.streams import NullTimers
-
-
-PROFILES = Path(__file__).parent / "profiles"  # the device profiles shipped with the package
-
-
-def builtin_profiles() -> list[str]:
-    return sorted(f.stem for f in PROFILES.glob("*.json"))
-
-
-def resolve_profile(spec: str | Path) -> dict:
-    """A device profile from a file, or one shipped with the package by name (``h200-qwen3-30b-a3b``), validated."""
-    path = Path(spec)
-    if not path.exists() and (PROFILES / f"{spec}.json").exists():
-        path = PROFILES / f"{spec}.json"
-    elif not path.exists():
-        raise FileNotFoundError(f"no device profile {spec}: give a file made by duoserve-run profile or one of the "
-                                f"shipped ones: {', '.join(builtin_profiles())}")
-    return load_profile(path)
-
-
-def _interp(points: list[tuple[float, float]], x: float) -> float:
-    """Piecewise-linear through ``points`` (x, y), extended linearly past either end, never below 0."""
-    points = sorted(points)
-    if len(points) == 1:
-        return points[0][1]
-    xs, ys = [p[0] for p in points], [p[1] for p in points]
-    if x <= xs[0]:
-        (x0, y0), (x1, y1) = points[0], points[1]
-    elif x >= xs[-1]:
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-    else:
-        return float(np.interp(x, xs, ys))
-    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1, 0.0)
-
-
-class Costs:
-    """A device profile's costs in milliseconds, interpolated between what it measured (each look-up memoised: a
-    simulation asks the same few questions millions of times)."""
-
-    def __init__(self, profile: dict):
-        self.profile = profile
-        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "pass_ms", "predictor_ms", "fetch_host_ms"):
-            setattr(self, name, functools.cache(getattr(self, name)))
-        self.expert_bytes = profile["geometry"]["expert_bytes"]
-        self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
-                      for kind in ("pinned", "pageable")}
-        self.copy_host_ms = profile["copy_host_us"] / 1e3
-        self.dequant_ms = profile["dequant_ms"]
-        groups = {}
-        for row in profile["expert_ms"]:
-            groups.setdefault(row["experts"], []).append((row["tokens"], row["ms"]))
-        if len(groups) < 2:
-            raise ValueError("the profile's expert_ms needs groups of two sizes (1 and k experts)")
-        (g1, one), (gk, many) = sorted(groups.items())[:2]
-        tokens = sorted({t for t, _ in one} & {t for t, _ in many})
-        # a group of g experts with T tokens each: base + g * per_expert(T)
-        self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
-        self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
-        self._call_host = {phase: [(r["tokens"], r["us"] / 1e3) for r in profile["call_host_us"] if r["phase"] == phase]
-                           for phase in ("prefill", "decode")}
-        self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
-        self.module_copy_ms = profile["module_copy_ms"]
-        self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
-                            for r in profile["fetch_host_us"]]
-        self.group_host_ms = profile["group_host_us"] / 1e3
-        self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
-                           for r in profile["predictor_ms"]]
-
-    def copy_ms(self, nbytes: int, pinned: bool = True) -> float:
-        """One host-to-device copy of ``nbytes``: at the bandwidth measured for that size (clamped to the sizes
-        measured)."""
-        points = self._copy["pinned" if pinned else "pageable"]
-        size = min(max(math.log2(max(nbytes, 1)), points[0][0]), points[-1][0])
-        return nbytes / (_interp(points, size) * 1e9) * 1e3
-
-    def fetch_host_ms(self, slots: int) -> float:
-        """Host time each expert fetched on a miss adds, in a cache of ``slots`` (between the sizes measured)."""
-        points = self._fetch_host
-        return _interp(points, min(max(math.log2(slots), points[0][0]), points[-1][0]))
-
-    def per_expert_ms(self, tokens: int) -> float:
-        return _interp(self._per_expert, tokens)
-
-    def group_ms(self, counts: Iterable[int]) -> float:
-        """Compute-stream time of one group of experts with ``counts`` tokens each."""
-        return self._base + sum(map(self.per_expert_ms, counts))
-
-    def call_host_ms(self, phase: str, tokens: int) -> float:
-        points = self._call_host[phase] or self._call_host["prefill"]
-        return _interp(points, tokens)
-
-    def pass_ms(self, name: str, phase: str, batch: int, context: int) -> tuple[float, float]:
-        """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C), wall and device: linear
-        in C within each measured B, then linear in B."""
-        return tuple(self._grid(self._pass[name], key, batch, context)
-                     for key in (f"{phase}_ms", f"{phase}_device_ms"))
-
-    @staticmethod
-    def _grid(rows: list[dict], key: str, batch: int, context: int) -> float:
-        by_batch: dict[int, list[tuple[int, float]]] = {}
-        for row in rows:
-            by_batch.setdefault(row["batch"], []).append((row["context"], row[key]))
-        return _interp([(B, _interp(points, context)) for B, points in by_batch.items()], batch)
-
-    def predictor_ms(self, batch: int) -> tuple[float, float]:
-        """One predictor call at ``batch``: host time, then device time after it."""
-        return tuple(_interp([(B, cost[i]) for B, cost in self._predictor], batch) for i in range(2))
-
-
-class _Event(NamedTuple):
-    owner: SimStreams
-    t: float  # ms: when the work queued before it ends
-
-    def synchronize(self) -> None:
-        """The host waits for it."""
-        self.owner.host = max(self.owner.host, self.t)
-
-
-class _Clock:
-    """A simulated stream: the time its queued work ends."""
-
-    __slots__ = ("owner", "t")
-
-    def __init__(self, owner: SimStreams):
-        self.owner, self.t = owner, 0.0
-
-    def wait_event(self, event: _Event) -> None:
-        self.owner.wait(self, event)
-
-
-class SimStreams:
-    """The ``Streams`` interface over clocks (module docstring); ``host`` is the host's clock, in ms."""
-
-    cuda = False
-    copy_path = "simulated"
-
-    def __init__(self):
-        self.device = torch.device("cpu")  # where a trained predictor runs
-        self.cache_device = torch.device("meta")  # the cache's slots take no memory
-        self.host, self.stall_ms = 0.0, 0.0
-        self.compute, self.copy, self.predict, self.dequant = (_Clock(self) for _ in range(4))
-
-    def on(self, stream):
-        return nullcontext()
-
-    def record(self, stream=None) -> _Event:
-        return _Event(self, max((stream or self.compute).t, self.host))
-
-    def wait(self, stream: _Clock, event: _Event | None) -> None:
-        if event is None:
-            return
-        start = max(stream.t, self.host)
-        if event.t > start and stream is self.compute:
-            self.stall_ms += event.t - start
-        stream.t = max(start, event.t)
-
-    def run(self, stream: _Clock, ms: float, copy: bool = False) -> None:
-        """``ms`` of work queued now on ``stream``; a ``copy`` on the compute stream stalls its compute."""
-        stream.t = max(stream.t, self.host) + ms
-        if copy and stream is self.compute:
-            self.stall_ms += ms
-
-    def launch(self, wall_ms: float, device_ms: float) -> None:
-        """Work the host spends ``wall_ms`` launching onto the compute stream, ``device_ms`` of kernels there: they
-        run as the host launches them (behind what the stream holds), ending no earlier than the last launch."""
-        start, self.host = self.host, self.host + wall_ms
-        self.compute.t = max(max(self.compute.t, start) + device_ms, self.host)
-
-    def block(self, stream: _Clock) -> None:
-        """The host waits for ``stream``'s work so far."""
-        self.host = max(self.host, stream.t)
-
-    def synchronize(self) -> None:
-        self.host = max(self.host, self.compute.t, self.copy.t, self.predict.t, self.dequant.t)
-
-
-class SimStore:
-    """One MoE layer's experts as the simulator sees them: what a copy moves and costs (no data)."""
-
-    def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
-        self.layout, self.costs, self.fmt = layout, costs, fmt
-        self.host_ms = costs.copy_host_ms  # per expert fetched; the simulator sets its cache's fetch cost
-        self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
-        self.modules = None if packed else {}
-        self.dequantizes = fmt != "model"
-        self.row_bytes = stored_nbytes(layout, fmt)
-
-    def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
-        """n copies, each queued by the host (``host_ms``) and then run on ``stream`` (``copy``): in closed form, the
-        n-th ends at max(t0 + n copy, h + host + n copy, h + n host + copy) for a stream at t0 and the host at h
-        (the latest of the stream's own work, the first copy's queueing and the last one's)."""
-        costs, n = self.costs, len(experts)
-        if self.packed is None:  # a blocking copy from pageable memory per parameter, each waited for
-            streams.run(stream, n * costs.module_copy_ms, copy=True)
-            streams.block(stream)
-            return
-        host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
-        if self.dequantizes:  # each copy dequantized on its own stream once it lands
-            for _ in experts:
-                streams.host += host
-                streams.run(stream, copy, copy=True)
-                streams.wait(streams.dequant, streams.record(stream))
-                streams.run(streams.dequant, costs.dequant_ms[self.fmt])
-            return
-        h = streams.host
-        streams.host = h + n * host
-        start = stream.t
-        stream.t = max(start + n * copy, h + host + n * copy, h + n * host + copy)
-        if stream is streams.compute:
-            streams.stall_ms += n * copy
-
-
-class SimCompute:
-    """The engine's expert compute (``experts.SlotCompute``) as compute-stream time."""
-
-    graphs = None
-
-    def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
-        self.cache, self.streams, self.costs = cache, streams, costs
-        self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
-
-    def _counts(self, rows: np.ndarray) -> list[int]:
-        n = (len(rows) - self.cache.slots) // 3
-        return [c for c in np.bincount(rows[2 * n:3 * n]).tolist() if c]  # tokens of each slot with pairs
-
-    def upload(self, rows: np.ndarray, stream=None) -> list[int]:
-        return self._counts(rows)
-
-    def load_all(self, hidden, weights, routing, slots: dict[int, int]) -> list[int]:
-        return routing.pair_counts(slots)
-
-    def _run(self, counts: list[int], slots: dict[int, int]) -> None:
-        if self.groups:
-            self.streams.host += self.costs.group_host_ms
-        self.groups += 1
-        self.streams.run(self.streams.compute, self.costs.group_ms(counts))
-        self.cache.release(list(slots.values()))
-
-    def compute_all(self, l: int, hidden, weights, inputs: list[int], slots: dict[int, int]):
-        self.cache.wait_ready(slots.values())
-        self._run(inputs, slots)
-        return hidden
-
-    def add_group(self, l: int, hidden, weights, rows: list[int], slots: dict[int, int], out) -> None:
-        self._run(rows, slots)
 
 
 @dataclass(frozen=True)

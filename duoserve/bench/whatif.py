@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from duoserve.bench.drivers import RandomRouting
-from duoserve.bench.simulate import (Costs, ModelShape, Simulator, generation_passes, resolve_profile, run,
-                                     trace_passes, trace_requests)
+from duoserve.bench.costs import Costs, resolve_profile
+from duoserve.bench.simulate import ModelShape, Simulator, generation_passes, run, trace_passes, trace_requests
 from duoserve.files import atomic_path
 from duoserve.runtime.policies import get_policy
 from duoserve.runtime.settings import EngineSettings

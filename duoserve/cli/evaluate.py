@@ -97,7 +97,7 @@ def _what_it_buys(report, trace: Path, predictor: Path, profile: str, shape: str
                   say) -> dict:
     """The scorers of ``report`` ranked by simulated time per token (``whatif.json`` in the report folder)."""
     from duoserve.bench.results import write_result
-    from duoserve.bench.simulate import resolve_profile
+    from duoserve.bench.costs import resolve_profile
     from duoserve.bench.whatif import SimulateSettings, what_it_buys
     from duoserve.trace.format import open_trace
 

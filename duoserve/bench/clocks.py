@@ -1,0 +1,156 @@
+"""The offload simulator's stand-ins for the runtime's streams, expert stores and expert compute: they do no
+work and hold no data, but advance clocks by a device profile's costs (``costs.py``); ``simulate.py`` says
+what each one models.
+
+Shape legend: S cache slots.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from duoserve.bench.costs import Costs
+from duoserve.runtime.quant import stored_nbytes
+from duoserve.runtime.store import ExpertLayout
+
+class _Event(NamedTuple):
+    owner: SimStreams
+    t: float  # ms: when the work queued before it ends
+
+    def synchronize(self) -> None:
+        """The host waits for it."""
+        self.owner.host = max(self.owner.host, self.t)
+
+
+class _Clock:
+    """A simulated stream: the time its queued work ends."""
+
+    __slots__ = ("owner", "t")
+
+    def __init__(self, owner: SimStreams):
+        self.owner, self.t = owner, 0.0
+
+    def wait_event(self, event: _Event) -> None:
+        self.owner.wait(self, event)
+
+
+class SimStreams:
+    """The ``Streams`` interface over clocks (module docstring); ``host`` is the host's clock, in ms."""
+
+    cuda = False
+    copy_path = "simulated"
+
+    def __init__(self):
+        self.device = torch.device("cpu")  # where a trained predictor runs
+        self.cache_device = torch.device("meta")  # the cache's slots take no memory
+        self.host, self.stall_ms = 0.0, 0.0
+        self.compute, self.copy, self.predict, self.dequant = (_Clock(self) for _ in range(4))
+
+    def on(self, stream):
+        return nullcontext()
+
+    def record(self, stream=None) -> _Event:
+        return _Event(self, max((stream or self.compute).t, self.host))
+
+    def wait(self, stream: _Clock, event: _Event | None) -> None:
+        if event is None:
+            return
+        start = max(stream.t, self.host)
+        if event.t > start and stream is self.compute:
+            self.stall_ms += event.t - start
+        stream.t = max(start, event.t)
+
+    def run(self, stream: _Clock, ms: float, copy: bool = False) -> None:
+        """``ms`` of work queued now on ``stream``; a ``copy`` on the compute stream stalls its compute."""
+        stream.t = max(stream.t, self.host) + ms
+        if copy and stream is self.compute:
+            self.stall_ms += ms
+
+    def launch(self, wall_ms: float, device_ms: float) -> None:
+        """Work the host spends ``wall_ms`` launching onto the compute stream, ``device_ms`` of kernels there: they
+        run as the host launches them (behind what the stream holds), ending no earlier than the last launch."""
+        start, self.host = self.host, self.host + wall_ms
+        self.compute.t = max(max(self.compute.t, start) + device_ms, self.host)
+
+    def block(self, stream: _Clock) -> None:
+        """The host waits for ``stream``'s work so far."""
+        self.host = max(self.host, stream.t)
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.compute.t, self.copy.t, self.predict.t, self.dequant.t)
+
+
+class SimStore:
+    """One MoE layer's experts as the simulator sees them: what a copy moves and costs (no data)."""
+
+    def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
+        self.layout, self.costs, self.fmt = layout, costs, fmt
+        self.host_ms = costs.copy_host_ms  # per expert fetched; the simulator sets its cache's fetch cost
+        self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
+        self.modules = None if packed else {}
+        self.dequantizes = fmt != "model"
+        self.row_bytes = stored_nbytes(layout, fmt)
+
+    def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
+        """n copies, each queued by the host (``host_ms``) and then run on ``stream`` (``copy``): in closed form, the
+        n-th ends at max(t0 + n copy, h + host + n copy, h + n host + copy) for a stream at t0 and the host at h
+        (the latest of the stream's own work, the first copy's queueing and the last one's)."""
+        costs, n = self.costs, len(experts)
+        if self.packed is None:  # a blocking copy from pageable memory per parameter, each waited for
+            streams.run(stream, n * costs.module_copy_ms, copy=True)
+            streams.block(stream)
+            return
+        host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
+        if self.dequantizes:  # each copy dequantized on its own stream once it lands
+            for _ in experts:
+                streams.host += host
+                streams.run(stream, copy, copy=True)
+                streams.wait(streams.dequant, streams.record(stream))
+                streams.run(streams.dequant, costs.dequant_ms[self.fmt])
+            return
+        h = streams.host
+        streams.host = h + n * host
+        start = stream.t
+        stream.t = max(start + n * copy, h + host + n * copy, h + n * host + copy)
+        if stream is streams.compute:
+            streams.stall_ms += n * copy
+
+
+class SimCompute:
+    """The engine's expert compute (``experts.SlotCompute``) as compute-stream time."""
+
+    graphs = None
+
+    def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
+        self.cache, self.streams, self.costs = cache, streams, costs
+        self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
+
+    def _counts(self, rows: np.ndarray) -> list[int]:
+        n = (len(rows) - self.cache.slots) // 3
+        return [c for c in np.bincount(rows[2 * n:3 * n]).tolist() if c]  # tokens of each slot with pairs
+
+    def upload(self, rows: np.ndarray, stream=None) -> list[int]:
+        return self._counts(rows)
+
+    def load_all(self, hidden, weights, routing, slots: dict[int, int]) -> list[int]:
+        return routing.pair_counts(slots)
+
+    def _run(self, counts: list[int], slots: dict[int, int]) -> None:
+        if self.groups:
+            self.streams.host += self.costs.group_host_ms
+        self.groups += 1
+        self.streams.run(self.streams.compute, self.costs.group_ms(counts))
+        self.cache.release(list(slots.values()))
+
+    def compute_all(self, l: int, hidden, weights, inputs: list[int], slots: dict[int, int]):
+        self.cache.wait_ready(slots.values())
+        self._run(inputs, slots)
+        return hidden
+
+    def add_group(self, l: int, hidden, weights, rows: list[int], slots: dict[int, int], out) -> None:
+        self._run(rows, slots)
+

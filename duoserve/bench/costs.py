@@ -1,0 +1,119 @@
+"""A device profile's costs as the offload simulator reads them: milliseconds, interpolated between what
+``duoserve-run profile`` measured (``profile.py``), and the profiles shipped with the package."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from duoserve.bench.profile import load_profile
+
+PROFILES = Path(__file__).parent / "profiles"  # the device profiles shipped with the package
+
+
+def builtin_profiles() -> list[str]:
+    return sorted(f.stem for f in PROFILES.glob("*.json"))
+
+
+def resolve_profile(spec: str | Path) -> dict:
+    """A device profile from a file, or one shipped with the package by name (``h200-qwen3-30b-a3b``), validated."""
+    path = Path(spec)
+    if not path.exists() and (PROFILES / f"{spec}.json").exists():
+        path = PROFILES / f"{spec}.json"
+    elif not path.exists():
+        raise FileNotFoundError(f"no device profile {spec}: give a file made by duoserve-run profile or one of the "
+                                f"shipped ones: {', '.join(builtin_profiles())}")
+    return load_profile(path)
+
+
+def _interp(points: list[tuple[float, float]], x: float) -> float:
+    """Piecewise-linear through ``points`` (x, y), extended linearly past either end, never below 0."""
+    points = sorted(points)
+    if len(points) == 1:
+        return points[0][1]
+    xs, ys = [p[0] for p in points], [p[1] for p in points]
+    if x <= xs[0]:
+        (x0, y0), (x1, y1) = points[0], points[1]
+    elif x >= xs[-1]:
+        (x0, y0), (x1, y1) = points[-2], points[-1]
+    else:
+        return float(np.interp(x, xs, ys))
+    return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 != x0 else y1, 0.0)
+
+
+class Costs:
+    """A device profile's costs in milliseconds, interpolated between what it measured (each look-up memoised: a
+    simulation asks the same few questions millions of times)."""
+
+    def __init__(self, profile: dict):
+        self.profile = profile
+        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "pass_ms", "predictor_ms", "fetch_host_ms"):
+            setattr(self, name, functools.cache(getattr(self, name)))
+        self.expert_bytes = profile["geometry"]["expert_bytes"]
+        self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
+                      for kind in ("pinned", "pageable")}
+        self.copy_host_ms = profile["copy_host_us"] / 1e3
+        self.dequant_ms = profile["dequant_ms"]
+        groups = {}
+        for row in profile["expert_ms"]:
+            groups.setdefault(row["experts"], []).append((row["tokens"], row["ms"]))
+        if len(groups) < 2:
+            raise ValueError("the profile's expert_ms needs groups of two sizes (1 and k experts)")
+        (g1, one), (gk, many) = sorted(groups.items())[:2]
+        tokens = sorted({t for t, _ in one} & {t for t, _ in many})
+        # a group of g experts with T tokens each: base + g * per_expert(T)
+        self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
+        self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
+        self._call_host = {phase: [(r["tokens"], r["us"] / 1e3) for r in profile["call_host_us"] if r["phase"] == phase]
+                           for phase in ("prefill", "decode")}
+        self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
+        self.module_copy_ms = profile["module_copy_ms"]
+        self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
+                            for r in profile["fetch_host_us"]]
+        self.group_host_ms = profile["group_host_us"] / 1e3
+        self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
+                           for r in profile["predictor_ms"]]
+
+    def copy_ms(self, nbytes: int, pinned: bool = True) -> float:
+        """One host-to-device copy of ``nbytes``: at the bandwidth measured for that size (clamped to the sizes
+        measured)."""
+        points = self._copy["pinned" if pinned else "pageable"]
+        size = min(max(math.log2(max(nbytes, 1)), points[0][0]), points[-1][0])
+        return nbytes / (_interp(points, size) * 1e9) * 1e3
+
+    def fetch_host_ms(self, slots: int) -> float:
+        """Host time each expert fetched on a miss adds, in a cache of ``slots`` (between the sizes measured)."""
+        points = self._fetch_host
+        return _interp(points, min(max(math.log2(slots), points[0][0]), points[-1][0]))
+
+    def per_expert_ms(self, tokens: int) -> float:
+        return _interp(self._per_expert, tokens)
+
+    def group_ms(self, counts: Iterable[int]) -> float:
+        """Compute-stream time of one group of experts with ``counts`` tokens each."""
+        return self._base + sum(map(self.per_expert_ms, counts))
+
+    def call_host_ms(self, phase: str, tokens: int) -> float:
+        points = self._call_host[phase] or self._call_host["prefill"]
+        return _interp(points, tokens)
+
+    def pass_ms(self, name: str, phase: str, batch: int, context: int) -> tuple[float, float]:
+        """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C), wall and device: linear
+        in C within each measured B, then linear in B."""
+        return tuple(self._grid(self._pass[name], key, batch, context)
+                     for key in (f"{phase}_ms", f"{phase}_device_ms"))
+
+    @staticmethod
+    def _grid(rows: list[dict], key: str, batch: int, context: int) -> float:
+        by_batch: dict[int, list[tuple[int, float]]] = {}
+        for row in rows:
+            by_batch.setdefault(row["batch"], []).append((row["context"], row[key]))
+        return _interp([(B, _interp(points, context)) for B, points in by_batch.items()], batch)
+
+    def predictor_ms(self, batch: int) -> tuple[float, float]:
+        """One predictor call at ``batch``: host time, then device time after it."""
+        return tuple(_interp([(B, cost[i]) for B, cost in self._predictor], batch) for i in range(2))
