@@ -198,3 +198,25 @@ def test_next_gate_families_replay_as_cuda_graphs(family, compile):
         expected = model(history, torch.full((B,), 3), nextgate, scores).sigmoid()
     torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
     assert deployed.nextgate == m
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
+def test_a_predictor_whose_compilation_fails_is_captured_from_its_plain_call(monkeypatch):
+    from duoserve.predictor import TrainedPredictor
+
+    def broken(fn, **kwargs):
+        def call(*args):
+            raise RuntimeError("no compiler here")
+        return call
+
+    L, E, k, B = 8, 16, 4, 2
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3), widths=(64, 32)).eval()
+    history = torch.rand(B, L, E, generator=torch.Generator().manual_seed(0)).argsort(-1)[..., :k]  # B x L x k
+    monkeypatch.setattr(torch, "compile", broken)
+    deployed = TrainedPredictor(model, "cuda", compile=True)
+    with pytest.warns(UserWarning, match="no compiler here"):
+        deployed.scores(history.cuda(), 3)
+    replayed = deployed.scores(history.cuda(), 3).cpu()
+    with torch.no_grad():
+        expected = model(history, torch.full((B,), 3), None, None).sigmoid()
+    torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)

@@ -11,6 +11,7 @@ H width of the first hidden layer.
 from __future__ import annotations
 
 import copy
+import warnings
 
 import torch
 from torch import nn
@@ -105,8 +106,15 @@ class GraphedPredictor:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
-            for _ in range(3):  # warm up allocations and kernels outside the capture
-                self._run()
+            try:
+                self._warm_up()
+            except Exception as err:  # compiling is a speed-up only: a machine it fails on still runs the call
+                if not compile:
+                    raise
+                warnings.warn(f"torch.compile of the predictor's call failed ({type(err).__name__}: {err}); its CUDA "
+                              "graph captures the plain call", stacklevel=2)
+                self._call = call
+                self._warm_up()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph, stream=side), torch.no_grad():  # one side stream: one cuBLAS workspace
@@ -119,6 +127,10 @@ class GraphedPredictor:
     def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
                 nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
         return self.model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
+
+    def _warm_up(self) -> None:
+        for _ in range(3):  # allocations and kernels (and a compiled call's compilation) outside the capture
+            self._run()
 
     def _run(self) -> torch.Tensor:
         return self._call(self.history, self.target, self.nextgate, self.nextgate_scores, self.depth)
