@@ -197,6 +197,10 @@ def test_next_gate_families_replay_as_cuda_graphs(family, compile):
     with torch.no_grad():
         expected = model(history, torch.full((B,), 3), nextgate, scores).sigmoid()
     torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+    for _ in range(2):  # the runtime's call: the top k selected inside its own graph
+        values, ids = deployed.top(history.cuda(), 3, k, nextgate.cuda(), scores.cuda())
+    torch.testing.assert_close(values.cpu(), expected.topk(k).values, atol=1e-4, rtol=1e-4)
+    assert [set(r) for r in ids.tolist()] == [set(r) for r in expected.topk(k).indices.tolist()]
     assert deployed.nextgate == m
 
 

@@ -131,6 +131,40 @@ def test_lookahead_heads_replay_as_cuda_graphs():
     assert len(deployed._graphs) == 1
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device"))])
+def test_a_steps_first_layer_prefetches_each_target_from_its_own_head(device):
+    """At a decode step's first layer the prefetch predicts layers 1..d in turn: each target's top k must be its own,
+    not the last one's (on CUDA one graph serves every depth and its outputs are overwritten by the next replay)."""
+    from duoserve.predictor import TrainedPredictor
+    from duoserve.runtime.prefetch import DecodePrefetch
+    from duoserve.runtime.streams import EngineTimers, Streams
+
+    L, E, k, B = 8, 16, 4, 3
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3, lookahead=3), widths=(64, 32)).eval()
+    with torch.no_grad():
+        model.mlp[-1].weight.normal_()
+    streams = Streams(torch.device(device))
+    plan = DecodePrefetch(TrainedPredictor(model, device), None, [], streams, EngineTimers(streams), (L, E, k), 3,
+                          0.0, None)
+    plan.begin_step(B)
+    idx = torch.rand(B, E, generator=torch.Generator().manual_seed(1)).argsort(-1)[:, :k]  # B x k: layer 0's routing
+    targets = plan.targets(0)
+    assert targets == [1, 2, 3]
+    for _ in range(2):  # the second call replays the graphs the first one captured
+        ids, vals, done = plan.launch(0, torch.empty(B, 0, device=device), idx.to(device), streams.record(), targets)
+        if done is not None:
+            done.synchronize()
+        history = plan.history.cpu()
+        for d, t in enumerate(targets):
+            with torch.no_grad():
+                expected = model(history, torch.full((B,), t), None, None, torch.full((B,), t)).sigmoid().topk(k)
+            torch.testing.assert_close(torch.from_numpy(np.array(vals[d])), expected.values, atol=1e-4, rtol=1e-4)
+            assert [set(r) for r in np.array(ids[d]).tolist()] == [set(r) for r in expected.indices.tolist()]
+    assert len({tuple(np.array(ids[d]).ravel()) for d in range(3)}) == 3  # the three heads answer differently
+
+
 FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
 
 

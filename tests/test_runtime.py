@@ -242,9 +242,9 @@ def _next_gate_run(embedded, predictor, lookahead: int = 1) -> dict:
     try:
         with OffloadEngine(model, stores, policy, predictor=predictor,
                            settings=EngineSettings(lookahead=lookahead)) as engine:
-            scores = engine.prefetch.predictor.scores
+            top = engine.prefetch.predictor.top
 
-            def spy(history, target, nextgate=None, nextgate_scores=None, depth=1):
+            def spy(history, target, count, nextgate=None, nextgate_scores=None, depth=1):
                 asked.append((target, depth))
                 logits, _, routed = layers[target].router(inputs[target - depth])  # T x k: the router's own choice
                 probs = logits.float().softmax(-1).gather(1, nextgate)
@@ -252,9 +252,9 @@ def _next_gate_run(embedded, predictor, lookahead: int = 1) -> dict:
                 seen.append(nextgate.shape[1] == predictor.spec.width
                             and torch.equal(nextgate[:, :k].sort(1).values, routed.sort(1).values)
                             and (scored if predictor.spec.uses_scores else nextgate_scores is None))
-                return scores(history, target, nextgate, nextgate_scores, depth)
+                return top(history, target, count, nextgate, nextgate_scores, depth)
 
-            engine.prefetch.predictor.scores = spy
+            engine.prefetch.predictor.top = spy
             tokens = _generate(model, tokenizer)[0]
             stats = engine.stats()
     finally:

@@ -140,12 +140,15 @@ class _TimedPredictor:
         for (key, _, t, d, _), part in zip(asks, scores.split(sizes)):
             self.table[key, t, d] = part
 
-    def scores(self, history: torch.Tensor, target: int, *nextgate, depth: int = 1) -> torch.Tensor:
+    def top(self, history: torch.Tensor, target: int, k: int, *nextgate, depth: int = 1) -> tuple[torch.Tensor, ...]:
         host_ms, device_ms = self.costs.predictor_ms(len(history))
         self.streams.host += host_ms
         self.streams.run(self.streams.predict, device_ms)
         filled = self.table.get((self.key, target, depth))
-        return filled if filled is not None else self.predictor.scores(history, target, *nextgate, depth=depth)
+        if filled is None:
+            return self.predictor.top(history, target, k, *nextgate, depth=depth)
+        top = filled.topk(k, dim=1)
+        return top.values, top.indices
 
 
 class _PassRouting:

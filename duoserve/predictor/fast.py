@@ -80,8 +80,9 @@ class GraphedPredictor:
     the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
     the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 
-    ``scores`` makes the graph return B x E sigmoid scores instead of the top ``budget`` ids;
-    ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
+    ``output``: what the graph returns: ``ids`` (the top ``budget`` ids, B x budget), ``scores`` (B x E sigmoid
+    scores) or ``top`` (the top ``budget`` scores and their ids, B x budget each: what the runtime's prefetch reads,
+    so its selection is in the graph, not a launch after it); ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
     batch sizes (then ``sparse`` and ``dtype`` are the module's own).
 
     ``__call__(history, target[, nextgate, nextgate_scores, depth])`` copies the inputs into static buffers, replays
@@ -90,8 +91,11 @@ class GraphedPredictor:
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
-                 compile: bool = False, scores: bool = False, module: nn.Module | None = None):
+                 compile: bool = False, output: str = "ids", module: nn.Module | None = None):
         s = predictor.spec
+        calls = {"ids": self._top, "scores": self._scores, "top": self._top_scores}
+        if output not in calls:
+            raise ValueError(f"unknown predictor graph output {output!r}; choose from {', '.join(calls)}")
         if module is None:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
         self.model = module
@@ -101,7 +105,7 @@ class GraphedPredictor:
         self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if s.uses_nextgate else None
         self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if s.uses_scores else None
         self.budget = budget or s.top_k
-        call = self._scores if scores else self._top
+        call = calls[output]
         self._call = torch.compile(call, fullgraph=True) if compile else call
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
@@ -127,6 +131,11 @@ class GraphedPredictor:
     def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
                 nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
         return self.model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
+
+    def _top_scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
+                    nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top = self._scores(history, target, nextgate, nextgate_scores, depth).topk(self.budget, dim=1)
+        return top.values, top.indices  # B x budget each
 
     def _warm_up(self) -> None:
         for _ in range(3):  # allocations and kernels (and a compiled call's compilation) outside the capture
@@ -157,7 +166,7 @@ CPU_ROWS = 1024
 
 class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
-    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``scores``, where
+    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where
     on CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's prediction
     costs the host one replay instead of a launch per operation (about 30). ``compile``: each graph is captured
     from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; the first call of each batch
@@ -170,7 +179,7 @@ class TrainedPredictor:
                  compile: bool = False):
         self.predictor, self.compile = predictor, compile
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
-        self._graphs: dict[int, GraphedPredictor] = {}  # batch size -> captured call
+        self._graphs: dict[tuple, GraphedPredictor] = {}  # (batch size, output, k) -> captured call
         self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids
 
     @property
@@ -212,11 +221,26 @@ class TrainedPredictor:
                nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor:
         """B x E scores in [0, 1] of layer ``target``, predicted ``depth`` layers ahead, for every sequence (on the
         current stream)."""
+        return self._call("scores", history, target, nextgate, nextgate_scores, depth)
+
+    @torch.no_grad()
+    def top(self, history: torch.Tensor, target: int, k: int, nextgate: torch.Tensor | None = None,
+            nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``k`` best of ``scores`` and their expert ids (B x k each): what the runtime's prefetch reads. On CUDA
+        the selection is part of the replayed graph, and its outputs hold until the next ``top`` of this B and k."""
+        return self._call("top", history, target, nextgate, nextgate_scores, depth, k)
+
+    def _call(self, output: str, history: torch.Tensor, target: int, nextgate: torch.Tensor | None,
+              nextgate_scores: torch.Tensor | None, depth: int, k: int | None = None):
         B = len(history)
         layer, ahead = self._filled(B, target, history.device), self._filled(B, depth, history.device)
         if history.device.type != "cuda":
-            return self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()
-        if B not in self._graphs:
-            self._graphs[B] = GraphedPredictor(self.predictor, B, device=history.device, scores=True,
-                                               compile=self.compile, module=self.model)
-        return self._graphs[B](history, layer, nextgate, nextgate_scores, ahead)
+            scores = self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()  # B x E
+            if output == "scores":
+                return scores
+            top = scores.topk(k, dim=1)
+            return top.values, top.indices
+        if (B, output, k) not in self._graphs:
+            self._graphs[B, output, k] = GraphedPredictor(self.predictor, B, k, device=history.device, output=output,
+                                                          compile=self.compile, module=self.model)
+        return self._graphs[B, output, k](history, layer, nextgate, nextgate_scores, ahead)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from duoserve.runtime.cache import ExpertCache
@@ -70,24 +71,30 @@ class DecodePrefetch:
         if self.streams.cuda:  # read on the predictor's stream: not to be reused by the compute stream before
             idx.record_stream(stream)
             hidden.record_stream(stream)
-        with self.streams.on(stream), self.timers.predict.span(stream):
-            self.history[:, l].copy_(idx)
-            # next-gate: layer t's router on this layer's MoE input; the head of depth t - l
-            scores = torch.stack([self.predictor.scores(self.history, t, *(self.next_gate[t](hidden)
-                                                                           if self.next_gate else ()), depth=t - l)
-                                  for t in targets])  # D x B x E
-            top = scores.topk(self.k, dim=2)  # D x B x k
-            if top.indices.device.type == "cpu":  # the CPU playing the GPU (a simulator's clocks give an event)
-                return top.indices.numpy(), top.values.numpy(), self.streams.record(stream)
-            shape = tuple(top.indices.shape)
+        shape = (len(targets), len(self.history), self.k)  # D x B x k
+        if not self.streams.cuda:
+            ids, vals = np.empty(shape, np.int64), np.empty(shape, np.float32)
+        else:
             if shape not in self._host_top:  # reused: no pinned allocation per call
                 self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=True),
                                          torch.empty(shape, dtype=torch.float32, pin_memory=True))
             ids, vals = self._host_top[shape]
-            ids.copy_(top.indices, non_blocking=True)
-            vals.copy_(top.values, non_blocking=True)
+        with self.streams.on(stream), self.timers.predict.span(stream):
+            self.history[:, l].copy_(idx)
+            for d, t in enumerate(targets):
+                # next-gate: layer t's router on this layer's MoE input; the head of depth t - l
+                features = self.next_gate[t](hidden) if self.next_gate else ()
+                top_vals, top_ids = self.predictor.top(self.history, t, self.k, *features, depth=t - l)  # B x k each
+                # read before the next target's call replays over them (a CUDA graph's outputs are static)
+                if self.streams.cuda:
+                    ids[d].copy_(top_ids, non_blocking=True)
+                    vals[d].copy_(top_vals, non_blocking=True)
+                else:  # the CPU playing the GPU (a simulator's clocks give an event)
+                    ids[d], vals[d] = top_ids.numpy(), top_vals.numpy()
             done = self.streams.record(stream)
-        return ids.numpy(), vals.numpy(), done  # views of the pinned buffers: read once ``done`` has passed
+        if self.streams.cuda:  # views of the pinned buffers: read once ``done`` has passed
+            return ids.numpy(), vals.numpy(), done
+        return ids, vals, done
 
     def rank(self, scores: tuple) -> list[Ranked]:
         """Per target: the predicted union of the batch's experts scored at least the minimum score (a host

@@ -35,8 +35,9 @@ class LayerPredictor(Protocol):
     nextgate_scores: bool
     lookahead: int
 
-    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor: ...  # B x E
+    def top(self, history: torch.Tensor, target: int, k: int, nextgate: torch.Tensor | None = None,
+            nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
+    # the k best scores in [0, 1] and their expert ids, B x k each, on the device; valid until its next call
 
 
 class HostPredictor(Protocol):
