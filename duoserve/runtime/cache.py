@@ -131,16 +131,19 @@ class ExpertCache:
 
     def victims(self, count: int, keep: set[Key]) -> list[int]:
         """The ``count`` slots to refill: empty ones first, then the lowest (wanted, last used), ties by slot, never
-        one holding a key in ``keep`` or a pinned one; the cache's state is unchanged until the caller refills them."""
+        one holding a key in ``keep`` or a pinned one; the cache's state is unchanged until the caller refills them.
+        In that order, except where they are all the slots it may take (a small cache's decode prefetch, mostly):
+        then in slot order, unranked."""
         if self._heap is None:
             skip = keep | self.pinned if self.pinned else keep
-            ranked = [(-1.0, -1, s) if key is None else (wanted, used, s)
-                      for s, (key, wanted, used) in enumerate(zip(self.key, self.wanted, self.used))
-                      if key not in skip]
-            if len(ranked) < count:
-                raise self._full(count, keep)
-            ranked.sort()  # heapq.nsmallest's answer; faster on a small cache
-            return [entry[2] for entry in ranked[:count]]
+            allowed = [s for s, key in enumerate(self.key) if key not in skip]
+            if len(allowed) <= count:  # every slot it may take: no ranking
+                if len(allowed) < count:
+                    raise self._full(count, keep)
+                return allowed
+            key, wanted, used = self.key, self.wanted, self.used
+            ranked = sorted(allowed, key=lambda s: (-1.0, -1, s) if key[s] is None else (wanted[s], used[s], s))
+            return ranked[:count]
         chosen, held = [], []
         while len(chosen) < count and self._heap:
             entry = heapq.heappop(self._heap)
