@@ -82,8 +82,8 @@ class GraphedPredictor:
 
     ``output``: what the graph returns: ``ids`` (the top ``budget`` ids, B x budget), ``scores`` (B x E sigmoid
     scores) or ``top`` (the top ``budget`` scores and their ids, B x budget each: what the runtime's prefetch reads,
-    so its selection is in the graph, not a launch after it); ``module``: an already BatchNorm-folded copy on ``device`` to share between the graphs of several
-    batch sizes (then ``sparse`` and ``dtype`` are the module's own).
+    so its selection is in the graph, not a launch after it); ``module``: an already BatchNorm-folded copy on
+    ``device`` to share between the graphs of several batch sizes (then ``sparse`` and ``dtype`` are the module's own).
 
     ``__call__(history, target[, nextgate, nextgate_scores, depth])`` copies the inputs into static buffers, replays
     the graph on the current stream, and returns the static output (valid until the next call).
@@ -231,7 +231,8 @@ class TrainedPredictor:
         return self._call("top", history, target, nextgate, nextgate_scores, depth, k)
 
     def _call(self, output: str, history: torch.Tensor, target: int, nextgate: torch.Tensor | None,
-              nextgate_scores: torch.Tensor | None, depth: int, k: int | None = None):
+              nextgate_scores: torch.Tensor | None, depth: int,
+              k: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         B = len(history)
         layer, ahead = self._filled(B, target, history.device), self._filled(B, depth, history.device)
         if history.device.type != "cuda":

@@ -28,7 +28,8 @@ class LayerPredictor(Protocol):
     """Scores layer ``target``'s experts for each sequence of a decode step, on the device, ``depth`` layers ahead
     (1..``lookahead``), from the B x L x k routing history up to layer target - depth (and the next-gate's B x m
     ids for ``target`` on that layer's input, if it uses them: ``nextgate`` says how many, 0 for none; and their
-    scores, if ``nextgate_scores``)."""
+    scores, if ``nextgate_scores``). ``top`` gives each sequence's ``k`` best scores in [0, 1] and their expert ids
+    (B x k each, on the device; they may be overwritten by its next call)."""
 
     on_host = False
     nextgate: int
@@ -37,7 +38,6 @@ class LayerPredictor(Protocol):
 
     def top(self, history: torch.Tensor, target: int, k: int, nextgate: torch.Tensor | None = None,
             nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
-    # the k best scores in [0, 1] and their expert ids, B x k each, on the device; valid until its next call
 
 
 class HostPredictor(Protocol):
