@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from duoserve.bench.drivers import OraclePredictor, RandomRouting
+from duoserve.bench.clocks import SimStore, SimStreams
 from duoserve.bench.costs import Costs
 from duoserve.bench.simulate import ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
 from duoserve.discovery import find_moe_layers
@@ -16,6 +17,7 @@ from duoserve.loading import load_model
 from duoserve.predictor.artifact import load_predictor, save_predictor
 from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
+from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.generation import offload, timed_generate
 from duoserve.runtime.policies import POLICIES
@@ -181,6 +183,32 @@ def test_simulated_times_follow_the_profile(embedded):
                         ((0, p) for p in random_passes(shape, 1, 16, 8)))["stall_ms"] for spec in ("none", "oracle")}
     assert stalls["oracle"] < stalls["none"]
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
+
+
+
+def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots(embedded):
+    """A 2-slot cache (Mixtral's at the on-demand budget): the next layer's experts can only go into the slots the
+    current layer's compute reads. bf16 copies land in the slots, so they wait for that compute; quantized ones land
+    in staging first, so only their dequantization into the slots waits, and the copy stream never idles."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    costs = Costs(cpu_profile(shape))
+    compute_ms = 100.0  # far longer than a copy
+    ends = {}
+    for fmt in ("model", "fp8"):
+        streams = SimStreams()
+        cache = ExpertCache(shape.layout, 2, streams)
+        store = SimStore(shape.layout, costs, True, fmt)
+        slots = cache.fetch(0, [0, 1], store, "decode", set())  # layer 0's experts
+        cache.wait_ready(slots)
+        streams.run(streams.compute, compute_ms)  # layer 0 computes from its slots
+        cache.release(slots)
+        computed = streams.compute.t
+        cache.fetch(1, [2, 3], store, "decode", set())  # layer 1's, into the same slots
+        ends[fmt] = streams.copy.t, streams.dequant.t, computed
+    copied, _, computed = ends["model"]
+    assert copied > computed  # into the slots: after the compute that read them
+    copied, dequantized, computed = ends["fp8"]
+    assert copied < computed < dequantized  # to staging during that compute; into the slots after it
 
 
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(

@@ -3,8 +3,9 @@
 Shape legend: S slots, P elements of one packed expert.
 
 Each slot carries two events: ``ready`` (its copy has landed; compute waits on it) and ``free``
-(the last compute that read it has run; a copy into it waits on it), so a slot can be refilled
-while other slots compute, with no CPU synchronisation. Experts are fetched in groups: one switch to
+(the last compute that read it has run; what writes it waits on it: the copy, or for a quantized store
+the dequantization, its copy to staging running ahead), so a slot can be refilled while other slots
+compute, with no CPU synchronisation. Experts are fetched in groups: one switch to
 the copy stream and one ``ready`` event per group, as the host's time per launch is what a decode
 step is short of. Eviction picks, among the slots a call may take, the lowest (wanted, last used):
 ``wanted`` is the predictor's score for an expert fetched for a layer still to run, and recency
@@ -171,9 +172,11 @@ class ExpertCache:
         slots = self.victims(len(experts), keep)
         self.clock += 1
         key, slot_of, used, scores = self.key, self.slot_of, self.used, self.wanted
-        # slots freed by one compute share its event: wait once for each last reader
+        # slots freed by one compute share its event: wait once for each last reader. A store that stages its copies
+        # writes the slots on the dequant stream: only that waits, and its copies to staging run ahead of the compute
+        writer = self.streams.dequant if store.dequantizes and self.streams.dequant is not None else stream
         for event in {id(f): f for f in map(self.free.__getitem__, slots)}.values():
-            self.streams.wait(stream, event)
+            self.streams.wait(writer, event)
         for e, s, score in zip(experts, slots, wanted or [0.0] * len(slots)):
             if key[s] is not None:
                 del slot_of[key[s]]

@@ -18,6 +18,8 @@ A fetch copies those bytes to a device staging buffer on its stream and dequanti
 the dequant stream (the cache keeps the model's dtype, so the expert kernels are unchanged: a
 dequantize-then-grouped-GEMM path), and ``ExpertCache.seal`` marks the slots ready on the dequant stream. Two
 staging buffers alternate, so the next copy overlaps this dequantization: the copy engine never idles behind it.
+Only the dequantization waits for the slots' last readers (``ExpertCache.fetch``): with a cache of a layer's worth
+of slots (Mixtral's two), the next layer's copies to staging run during this layer's compute.
 Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4). A decode step
 is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
 ``STAGE_BYTES`` of cache rows) into a scratch of cache rows, each pass one CUDA-graph replay on a GPU, then copied
