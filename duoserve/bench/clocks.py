@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.costs import Costs
-from duoserve.runtime.quant import stored_nbytes
+from duoserve.runtime.quant import stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout
 
 class _Event(NamedTuple):
@@ -94,6 +94,7 @@ class SimStore:
         self.modules = None if packed else {}
         self.dequantizes = fmt != "model"
         self.row_bytes = stored_nbytes(layout, fmt)
+        self.chunk = stage_chunk(layout)  # experts a quantized fetch dequantizes per pass
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
         """n copies, each queued by the host (``host_ms``) and then run on ``stream`` (``copy``): in closed form, the
@@ -105,12 +106,20 @@ class SimStore:
             streams.block(stream)
             return
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
-        if self.dequantizes:  # each copy dequantized on its own stream once it lands
-            for _ in experts:
-                streams.host += host
-                streams.run(stream, copy, copy=True)
+        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each
+            # chunk dequantized on its own stream once it lands; a buffer is refilled once its last chunk is read
+            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None, None]})
+            step = max(self.chunk, 1)
+            for i in range(0, n, step):
+                count = min(step, n - i)
+                staging["next"] ^= 1
+                streams.wait(stream, staging["read"][staging["next"]])
+                for _ in range(count):
+                    streams.host += host
+                    streams.run(stream, copy, copy=True)
                 streams.wait(streams.dequant, streams.record(stream))
-                streams.run(streams.dequant, costs.dequant_ms[self.fmt])
+                streams.run(streams.dequant, count * costs.dequant_ms[self.fmt])
+                staging["read"][staging["next"]] = streams.record(streams.dequant)
             return
         h = streams.host
         streams.host = h + n * host

@@ -163,6 +163,11 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
             torch.mul(values.view(n, R, C // g, g), scale.unflatten(1, (R, C // g, 1)), out=dst.view(n, R, C // g, g))
 
 
+def stage_chunk(layout: ExpertLayout) -> int:
+    """Experts of ``layout`` a quantized fetch dequantizes per pass; under 2: each straight into its slot."""
+    return min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
+
+
 def stored_nbytes(layout: ExpertLayout, fmt: str) -> int:
     """Bytes one expert of ``layout`` takes stored in ``fmt`` (model: its packed row)."""
     return layout.nbytes if check_expert_dtype(fmt) == "model" else QuantLayout.of(layout, fmt).nbytes
@@ -177,8 +182,7 @@ class QuantizedExperts(HostExperts):
     def __init__(self, layout: ExpertLayout, qlayout: QuantLayout, stored: torch.Tensor):
         super().__init__(layout, packed=stored)
         self.qlayout = qlayout
-        # experts dequantized per pass; < 2: each straight into its slot
-        self.chunk = min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
+        self.chunk = stage_chunk(layout)
 
     @property
     def row_bytes(self) -> int:
