@@ -204,6 +204,7 @@ def test_next_gate_families_replay_as_cuda_graphs(family, compile):
     assert deployed.nextgate == m
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
 def test_a_predictor_whose_compilation_fails_is_captured_from_its_plain_call(monkeypatch):
     from duoserve.predictor import TrainedPredictor

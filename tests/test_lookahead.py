@@ -132,8 +132,8 @@ def test_lookahead_heads_replay_as_cuda_graphs():
 
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device"))])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")])])
 def test_a_steps_first_layer_prefetches_each_target_from_its_own_head(device):
     """At a decode step's first layer the prefetch predicts layers 1..d in turn: each target's top k must be its own,
     not the last one's (on CUDA one graph serves every depth and its outputs are overwritten by the next replay)."""

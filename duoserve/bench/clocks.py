@@ -17,6 +17,7 @@ from duoserve.bench.costs import Costs
 from duoserve.runtime.quant import stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout
 
+
 class _Event(NamedTuple):
     owner: SimStreams
     t: float  # ms: when the work queued before it ends

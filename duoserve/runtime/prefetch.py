@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import numpy as np
 import torch
 
 from duoserve.runtime.cache import ExpertCache
@@ -72,13 +71,10 @@ class DecodePrefetch:
             idx.record_stream(stream)
             hidden.record_stream(stream)
         shape = (len(targets), len(self.history), self.k)  # D x B x k
-        if not self.streams.cuda:
-            ids, vals = np.empty(shape, np.int64), np.empty(shape, np.float32)
-        else:
-            if shape not in self._host_top:  # reused: no pinned allocation per call
-                self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=True),
-                                         torch.empty(shape, dtype=torch.float32, pin_memory=True))
-            ids, vals = self._host_top[shape]
+        if shape not in self._host_top:  # reused: no (pinned) allocation per call
+            self._host_top[shape] = (torch.empty(shape, dtype=torch.long, pin_memory=self.streams.cuda),
+                                     torch.empty(shape, dtype=torch.float32, pin_memory=self.streams.cuda))
+        ids, vals = self._host_top[shape]
         with self.streams.on(stream), self.timers.predict.span(stream):
             self.history[:, l].copy_(idx)
             for d, t in enumerate(targets):
@@ -86,15 +82,10 @@ class DecodePrefetch:
                 features = self.next_gate[t](hidden) if self.next_gate else ()
                 top_vals, top_ids = self.predictor.top(self.history, t, self.k, *features, depth=t - l)  # B x k each
                 # read before the next target's call replays over them (a CUDA graph's outputs are static)
-                if self.streams.cuda:
-                    ids[d].copy_(top_ids, non_blocking=True)
-                    vals[d].copy_(top_vals, non_blocking=True)
-                else:  # the CPU playing the GPU (a simulator's clocks give an event)
-                    ids[d], vals[d] = top_ids.numpy(), top_vals.numpy()
-            done = self.streams.record(stream)
-        if self.streams.cuda:  # views of the pinned buffers: read once ``done`` has passed
-            return ids.numpy(), vals.numpy(), done
-        return ids, vals, done
+                ids[d].copy_(top_ids, non_blocking=True)
+                vals[d].copy_(top_vals, non_blocking=True)
+            done = self.streams.record(stream)  # on the CPU: none, or a simulator's clock
+        return ids.numpy(), vals.numpy(), done  # views of the host buffers: read once ``done`` has passed
 
     def rank(self, scores: tuple) -> list[Ranked]:
         """Per target: the predicted union of the batch's experts scored at least the minimum score (a host
