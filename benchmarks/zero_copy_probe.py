@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from duoserve.runtime.quant import QuantizedExperts, dequantize
+from duoserve.runtime.store import Rows
 from duoserve.runtime.streams import Streams
 
 
@@ -119,7 +120,7 @@ def main() -> None:
     for fmt in ("fp8", "int4"):
         store = QuantizedExperts.quantize(params, fmt, pin=True)
         cache = torch.zeros(32, store.layout.numel, dtype=torch.bfloat16, device=dev)
-        rows = list(cache.unbind(0))
+        rows = Rows(cache)
         experts = torch.randperm(E)[:n].tolist()
         slots = list(range(3, 3 + n))
         scratch = {}

@@ -16,7 +16,7 @@ from duoserve.features.stats import RoutingStats
 from duoserve.loading import load_model
 from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, timed_generate
 from duoserve.runtime.cache import ExpertCache, popular_keys
-from duoserve.runtime.quant import BLOCK, QuantizedExperts, QuantLayout, dequantize, quantize
+from duoserve.runtime.quant import BLOCK, QuantizedExperts, QuantLayout, dequantize, make_store, quantize
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 
@@ -391,3 +391,25 @@ def test_an_fp8_checkpoint_on_cuda_keeps_the_experts_module_the_engine_drives(fp
     row = QuantLayout.of(ExpertLayout.of(expert_params(experts)), "fp8").nbytes
     assert offloaded.expert_dtype == "fp8" and offloaded.counters["bytes_h2d"]["decode"] == \
         offloaded.counters["copies"]["decode"] * row > 0
+
+
+@pytest.mark.parametrize("fmt", ["model", "fp8"])
+def test_a_stretch_of_consecutive_experts_into_consecutive_slots_is_one_copy(embedded, fmt):
+    """A prefill's group (experts 3, 4, 5 into slots 1, 2, 3) crosses the link in one copy, not one per expert; the
+    slots hold what the store holds (dequantized, for a quantized one)."""
+    params = {n: p.detach() for n, p in expert_params(find_moe_layers(embedded[0])[0].experts).items()}
+    store = make_store(params, fmt, pin=False)
+    streams = Streams(torch.device("cpu"))
+    copies = []
+    queue = streams.copy_to_device
+    streams.copy_to_device = lambda dst, src, stream: copies.append((dst.shape, src.shape)) or queue(dst, src, stream)
+    cache = ExpertCache(store.layout, 6, streams)
+    slots = cache.fetch(0, [3, 4, 5, 9], store, "prefill", set())
+    assert slots == [0, 1, 2, 3]  # an empty cache fills in slot order
+    # one copy for experts 3-5, one for 9; a quantized store's staging rows 0-3 then go into slots 0-3 in one more
+    assert len(copies) == (2 if fmt == "model" else 3)
+    assert copies[0][1][0] == 3  # three rows in the first
+    expected = torch.empty(16, store.layout.numel, dtype=store.layout.dtype)  # E x P
+    for name, value in store.params().items():
+        store.layout.views(expected)[name].copy_(value)
+    assert torch.equal(cache.buffer[slots], expected[[3, 4, 5, 9]])

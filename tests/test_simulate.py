@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from duoserve.bench.drivers import OraclePredictor, RandomRouting
-from duoserve.bench.clocks import SimStore, SimStreams
+from duoserve.bench.clocks import SimCompute, SimStore, SimStreams
 from duoserve.bench.costs import Costs
 from duoserve.bench.simulate import ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
 from duoserve.discovery import find_moe_layers
@@ -19,10 +19,13 @@ from duoserve.predictor.fast import TrainedPredictor
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.engine import OffloadEngine
+from duoserve.runtime.experts import Routing
 from duoserve.runtime.generation import offload, timed_generate
 from duoserve.runtime.policies import POLICIES
+from duoserve.runtime.schedule import GroupedFetch
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import put_experts
+from duoserve.runtime.streams import NullTimers
 from tests.conftest import write_trace
 
 
@@ -209,6 +212,31 @@ def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots(embedd
     assert copied > computed  # into the slots: after the compute that read them
     copied, dequantized, computed = ends["fp8"]
     assert copied < computed < dequantized  # to staging during that compute; into the slots after it
+
+
+def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache(embedded):
+    """Quantized copies run ahead into staging, so a call that needs more experts than the cache holds fetches them
+    in groups of the whole cache (half as many groups, each costing the host to queue); bf16 copies land in the
+    slots, so groups of half the cache alternate. Every expert is computed once either way."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    costs = Costs(cpu_profile(shape))
+    idx = torch.arange(2 * shape.num_experts).remainder(shape.num_experts).reshape(-1, shape.top_k)  # T x k: all E
+    groups = {}
+    for fmt in ("model", "fp8"):
+        streams = SimStreams()
+        cache = ExpertCache(shape.layout, 8, streams)
+        store = SimStore(shape.layout, costs, True, fmt)
+        computed = []
+        compute = SimCompute(cache, streams, None, costs)
+        compute.add_group = lambda l, hidden, weights, rows, slots, out: computed.append(sorted(slots)) or \
+            cache.release(list(slots.values()))
+        fetch = GroupedFetch(cache, [store], streams, NullTimers(), compute, overlap=True)
+        hidden = torch.zeros(len(idx), 1)  # T x H: the stand-in computes nothing
+        fetch.fetch_missing(0, hidden, None, Routing(idx, shape.num_experts), list(range(shape.num_experts)),
+                            "prefill", hidden)
+        assert sorted(e for group in computed for e in group) == list(range(shape.num_experts))
+        groups[fmt] = [len(group) for group in computed]
+    assert groups == {"model": [4] * 4, "fp8": [8] * 2}
 
 
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(

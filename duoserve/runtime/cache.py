@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from duoserve.runtime.store import ExpertLayout, HostExperts
+from duoserve.runtime.store import ExpertLayout, HostExperts, Rows
 from duoserve.runtime.streams import Streams
 
 Key = tuple[int, int]  # (layer, expert)
@@ -59,7 +59,7 @@ class ExpertCache:
         self.layout, self.streams = layout, streams
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.cache_device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
-        self._rows = list(self.buffer.unbind(0))  # S views of P, made once: a fetch is on the decode step's path
+        self.rows = Rows(self.buffer)  # what copies write: a slot, or a stretch of them
         self.key: list[Key | None] = [None] * slots
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
@@ -184,7 +184,7 @@ class ExpertCache:
             slot_of[new] = s
             used[s], scores[s] = self.clock, score
         self._touch(slots)
-        store.copy_group(experts, slots, self._rows, self.streams, stream, self.scratch)
+        store.copy_group(experts, slots, self.rows, self.streams, stream, self.scratch)
         self._dequantizing = store.dequantizes
         if phase is not None:
             self.stats.copies[phase] += len(slots)

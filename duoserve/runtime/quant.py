@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from duoserve.loading import FP8_BLOCK
-from duoserve.runtime.store import ExpertLayout, HostExperts
+from duoserve.runtime.store import ExpertLayout, HostExperts, Rows, runs
 from duoserve.runtime.streams import Streams
 
 EXPERT_DTYPES = ("model", "fp8", "int4")
@@ -214,28 +214,28 @@ class QuantizedExperts(HostExperts):
             scratch[key] = _Staging(self, device, max(self.chunk, 1))
         return scratch[key]
 
-    def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
-                   stream, scratch: dict) -> None:
+    def copy_group(self, experts: list[int], slots: list[int], rows: Rows, streams: Streams, stream,
+                   scratch: dict) -> None:
         """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
-        dequantization into cache ``slots`` (``rows``: the cache's row views), a pass per chunk of experts;
-        ``scratch``: the cache's device buffers for it."""
-        stage = self._stage(rows[0].device, stream, scratch)
+        dequantization into cache ``slots`` (``rows``: the cache's S x P rows), a pass per chunk of experts, each
+        copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's device buffers for it."""
+        stage = self._stage(rows.table.device, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
         step = max(self.chunk, 1)
         for i in range(0, len(experts), step):
             chunk, targets = experts[i:i + step], slots[i:i + step]
             n, b = len(chunk), stage.flip()
             streams.wait(stream, stage.read[b])  # its last dequantization has read this staging buffer
-            for j, e in enumerate(chunk):
-                streams.copy_to_device(stage.stored[b][j], self._rows[e], stream)
+            for e, j, count in runs(chunk, range(n)):
+                streams.copy_to_device(stage.stored[b].span(j, count), self.rows.span(e, count), stream)
             streams.wait(work, streams.record(stream))
             with streams.on(work):
                 if self.chunk < 2:  # an expert over STAGE_BYTES: straight into its slot
-                    dequantize(stage.stored[b][:1], self.qlayout, self.layout, rows[targets[0]][None])
+                    dequantize(stage.stored[b].table[:1], self.qlayout, self.layout, rows.span(targets[0])[None])
                 else:
                     stage.dequantize(b, n)
-                    for j, s in enumerate(targets):  # the runtime's copy: a fraction of ``copy_``'s host time
-                        streams.copy_to_device(rows[s], stage.rows[b][j], work)
+                    for j, s, count in runs(range(n), targets):  # the runtime's copy: less host time than ``copy_``
+                        streams.copy_to_device(rows.span(s, count), stage.rows[b].span(j, count), work)
             stage.read[b] = streams.record(work)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
@@ -254,9 +254,9 @@ class _Staging:
 
     def __init__(self, store: QuantizedExperts, device: torch.device, chunk: int):
         self.qlayout, self.layout = store.qlayout, store.layout
-        self.stored = [torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
-        self.rows = [torch.empty(chunk if chunk > 1 else 0, store.layout.numel, dtype=store.layout.dtype,
-                                 device=device) for _ in range(2)]
+        self.stored = [Rows(torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device)) for _ in range(2)]
+        self.rows = [Rows(torch.empty(chunk if chunk > 1 else 0, store.layout.numel, dtype=store.layout.dtype,
+                                      device=device)) for _ in range(2)]
         self.read: list = [None, None]
         self._next = 0
         # one memory pool (int4's look-up temporaries): the graphs replay one after another on the dequant stream
@@ -273,7 +273,7 @@ class _Staging:
         if (graph := self._graphs.get((b, n))) is not None:
             graph.replay()
             return
-        src, dst = self.stored[b][:n], self.rows[b][:n]
+        src, dst = self.stored[b].table[:n], self.rows[b].table[:n]
         dequantize(src, self.qlayout, self.layout, dst)  # this pass's work, and the kernels' warm-up
         if self._pool is not None:
             graph = torch.cuda.CUDAGraph()

@@ -1,4 +1,5 @@
-"""Routed experts in host memory: taken off the model, kept per layer, copied to the device one expert at a time.
+"""Routed experts in host memory: taken off the model, kept per layer, copied to the device an expert (or a stretch
+of consecutive ones) at a time.
 
 Shape legend: L MoE layers, E experts per layer, P elements of one packed expert, S device slots.
 
@@ -12,7 +13,7 @@ Two forms, one per kind of fetch the policies compare:
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -60,6 +61,32 @@ class ExpertLayout:
                 for name, shape, off in zip(self.names, self.shapes, self.offsets)}
 
 
+class Rows:
+    """An N x P table's rows as one copy moves them: a row, or a stretch of consecutive ones. The one-row views are
+    made once (a fetch is on the decode step's path, where a view costs the host as much as the copy's call)."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table  # N x P
+        self._one = list(table.unbind(0))  # N views of P
+
+    def span(self, start: int, count: int = 1) -> torch.Tensor:
+        """Rows ``start`` .. ``start + count - 1`` (P, or count x P)."""
+        return self._one[start] if count == 1 else self.table[start:start + count]
+
+
+def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first of ``src``, first of ``dst``, count) for each stretch where both step up by one together: what one copy
+    moves. A prefill's groups are mostly such stretches (experts in order, into slots in order), so each takes one
+    copy where it took one per expert."""
+    spans: list[list[int]] = []
+    for a, b in zip(src, dst):
+        if spans and a == (last := spans[-1])[0] + last[2] and b == last[1] + last[2]:
+            last[2] += 1
+        else:
+            spans.append([a, b, 1])
+    return [(a, b, n) for a, b, n in spans]
+
+
 class HostExperts:
     """One MoE layer's routed experts in host memory (packed or per module, see the module docstring)."""
 
@@ -68,7 +95,7 @@ class HostExperts:
     def __init__(self, layout: ExpertLayout, packed: torch.Tensor | None = None,
                  modules: dict[str, torch.Tensor] | None = None):
         self.layout, self.packed, self.modules = layout, packed, modules
-        self._rows = list(packed.unbind(0)) if packed is not None else []  # E views of P, made once: a fetch is hot
+        self.rows = Rows(packed) if packed is not None else None  # E x P
 
     @classmethod
     def pack(cls, params: dict[str, torch.Tensor], pin: bool) -> HostExperts:
@@ -91,22 +118,20 @@ class HostExperts:
         """Bytes one expert's copy moves (a quantized store's are fewer than the cache slot's)."""
         return self.layout.nbytes
 
-    def _copy_one(self, expert: int, slot_row: torch.Tensor, streams: Streams, stream) -> None:
-        """Queue the copy of ``expert`` into a device slot (a P row) on ``stream``: one asynchronous copy when
-        packed and pinned, else one blocking copy per parameter."""
+    def copy_group(self, experts: list[int], slots: list[int], rows: Rows, streams: Streams, stream,
+                   scratch: dict) -> None:
+        """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S x P rows) on ``stream``:
+        packed and pinned, one asynchronous copy per stretch of consecutive experts into consecutive slots
+        (``runs``); per module, one blocking copy per parameter and expert. ``scratch``: the cache's buffers for
+        stores that stage their copies."""
         if self.packed is not None:
-            streams.copy_to_device(slot_row, self._rows[expert], stream)
+            for e, s, n in runs(experts, slots):
+                streams.copy_to_device(rows.span(s, n), self.rows.span(e, n), stream)
             return
         with streams.on(stream):
-            for name, view in self.layout.views(slot_row[None]).items():
-                view[0].copy_(self.modules[name][expert])
-
-    def copy_group(self, experts: list[int], slots: list[int], rows: list[torch.Tensor], streams: Streams,
-                   stream, scratch: dict) -> None:
-        """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S row views of P) on
-        ``stream``, one per expert (``scratch``: the cache's buffers for stores that stage their copies)."""
-        for e, s in zip(experts, slots):
-            self._copy_one(e, rows[s], streams, stream)
+            for e, s in zip(experts, slots):
+                for name, view in self.layout.views(rows.span(s)[None]).items():
+                    view[0].copy_(self.modules[name][e])
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""
