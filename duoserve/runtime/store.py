@@ -78,13 +78,15 @@ def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first of ``src``, first of ``dst``, count) for each stretch where both step up by one together: what one copy
     moves. A prefill's groups are mostly such stretches (experts in order, into slots in order), so each takes one
     copy where it took one per expert."""
-    spans: list[list[int]] = []
-    for a, b in zip(src, dst):
-        if spans and a == (last := spans[-1])[0] + last[2] and b == last[1] + last[2]:
-            last[2] += 1
-        else:
-            spans.append([a, b, 1])
-    return [(a, b, n) for a, b, n in spans]
+    n = len(src)
+    if n == 1:  # a decode step's misses, mostly: on its path
+        return [(src[0], dst[0], 1)]
+    spans, start = [], 0
+    for i in range(1, n + 1):
+        if i == n or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            spans.append((src[start], dst[start], i - start))
+            start = i
+    return spans
 
 
 class HostExperts:
