@@ -1097,7 +1097,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert [(c["phase"], c["tokens"]) for c in profile["call_host_us"]] == [("decode", 1), ("decode", 2),
                                                                            ("prefill", 1), ("prefill", 16)]
     assert all(c["us"] > 0 for c in profile["call_host_us"])
-    assert set(profile["dequant_ms"]) == {"fp8", "int4"}
+    assert set(profile["dequant_ms"]) == {"fp8", "int4"} and all(v > 0 for v in profile["dequant_ms"].values())
     for name in ("layer_ms", "step_ms"):
         assert [(r["batch"], r["context"]) for r in profile[name]] == [(1, 8), (2, 8)]
         assert all(r["decode_ms"] >= 0 and r["prefill_ms"] >= 0 for r in profile[name])

@@ -24,7 +24,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for
-  dequant_ms    dequantizing one expert on the device, by stored expert dtype
+  dequant_ms    device time per expert of the engine's dequantization, by stored expert dtype: a pass of its
+                staging chunk (``quant.stage_chunk`` experts, replayed from a CUDA graph on a GPU) and the copy
+                of the rows into cache slots, divided by the chunk (profiles made before this measured one
+                expert dequantized eagerly, wall time with its launches: several times more)
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
                 size and context length (the experts answering zeros through the experts interface): host time
                 (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
@@ -59,7 +62,7 @@ from duoserve.runtime.experts import SlotView, slot_experts
 from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
-from duoserve.runtime.quant import dequantize, make_store
+from duoserve.runtime.quant import QuantizedExperts, dequantize, make_store
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
@@ -160,6 +163,24 @@ def device_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
             end.synchronize()
             return begin.elapsed_time(end) / repeats
     return _median_ms(fn, device, repeats)
+
+
+def _dequant_ms(quantized: QuantizedExperts, device: torch.device, repeats: int) -> float:
+    """Device milliseconds per expert of the engine's dequantization (``QuantizedExperts.copy_group``): a pass of
+    its staging chunk of experts, then their rows copied into cache slots (an expert too large for a chunk goes
+    straight into its slot; a layer of fewer experts than a chunk, all of them). Per expert of a pass, as one pass's
+    launches are shared by its experts."""
+    layout, n = quantized.layout, min(max(quantized.chunk, 1), len(quantized.packed))
+    stored = quantized.packed[:n].to(device)  # n x Q
+    rows = torch.empty(n, layout.numel, dtype=layout.dtype, device=device)  # n x P: the pass's output
+    slots = torch.empty_like(rows)  # n x P: where the cache keeps them
+
+    def one_pass() -> None:
+        dequantize(stored, quantized.qlayout, layout, rows if n > 1 else slots)
+        if n > 1:
+            slots.copy_(rows)
+
+    return device_ms(one_pass, device, repeats) / n
 
 
 def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: torch.device, H: int) -> list[dict]:
@@ -326,14 +347,9 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     with torch.no_grad():
         expert_ms = _expert_ms(layers[0], store, s, full.top_k, device, H)
 
-    say("dequantizing one expert")
-    dequant_ms = {}
-    slot = torch.empty(1, store.layout.numel, dtype=store.layout.dtype, device=device)  # 1 x P
-    for fmt in ("fp8", "int4"):
-        quantized = make_store({n: p.to(device) for n, p in params.items()}, fmt, pin=False)
-        stored = quantized.packed[:1].to(device)  # 1 x Q
-        dequant_ms[fmt] = _median_ms(lambda: dequantize(stored, quantized.qlayout, store.layout, slot), device,
-                                     s.repeats)
+    say("dequantizing experts as the engine does")
+    dequant_ms = {fmt: _dequant_ms(make_store({n: p.to(device) for n, p in params.items()}, fmt, pin=False),
+                                   device, s.repeats) for fmt in ("fp8", "int4")}
 
     shallow = model_from_config(s.model, device, s.dtype, 1)
     passes = {depth: _pass_ms(net, s, say) for depth, net in ((1, shallow), (s.layers, model))}

@@ -11,7 +11,7 @@ Each MoE layer's call runs, for the experts its router chose:
      eviction, the books of copies made ahead);
   3. a decode call whose experts all fit in the cache (B=1 always): its misses fetched, then every
      pair computed in one call over the cache slots (``experts.py``); any other call: the cached experts at
-     once, the rest fetched in pipelined groups of half the cache (``schedule.py``: the prefill schedule);
+     once, the rest fetched in pipelined groups (``schedule.py``: the prefill schedule);
   4. decode with a predictor: layer l+d's experts predicted on their own stream while 1-3 run and
      copied into the cache right away (``prefetch.py``: the decode prefetch plan). A predictor on
      the host (the benchmarks' oracle) has its copies queued before a one-group call, behind this
