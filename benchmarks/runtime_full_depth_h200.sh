@@ -11,8 +11,9 @@
 #                    picks one of them (default both, in that order)
 #                    -> runtime_full_accelerate_{qwen3-30b-a3b,mixtral-8x7b}_h200.json
 #   PART=mixtral     Mixtral with experts stored fp8 (45 GB; bf16 and a second copy would not fit beside it):
-#                    duoserve (oracle:1), on-demand, lru and both all-resident references (put back dequantized),
-#                    B=1 and 8, prompt 512, a 2-expert cache as on-demand holds -> runtime_full_mixtral-8x7b_h200.json
+#                    duoserve (oracle:1), on-demand, lru and both all-resident references (put back dequantized:
+#                    90 GB, on an H200 only; an 80 GB card's result lists them under "skipped"), B=1 and 8, prompt
+#                    512, a 2-expert cache as on-demand holds -> runtime_full_mixtral-8x7b_h200.json
 #   PART=qwen-fp8    Qwen with experts stored fp8 (29 GB): duoserve (oracle:1) and on-demand, B=1 and 8, prompt
 #                    512, beside the bf16 accelerate part: the precision in which the TTFT target can be tried
 #                    -> runtime_full_fp8_qwen3-30b-a3b_h200.json

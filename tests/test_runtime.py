@@ -14,6 +14,7 @@ import torch
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 from typer.testing import CliRunner
 
+import duoserve.bench.harness as harness
 import duoserve.runtime.cache as cache_module
 import duoserve.runtime.experts as experts_module
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
@@ -687,7 +688,6 @@ def test_a_config_only_model_too_large_for_the_device_keeps_its_experts_in_host_
     experts left in host memory, in the dtype it would have had on the GPU (bf16, not the CPU's float32), and with
     transformers' own initial values: norms at one, the rotary frequencies of a model built whole, experts drawn
     at the config's initializer range. (The CPU stands in for the GPU the builder is given.)"""
-    import duoserve.bench.harness as harness
     from duoserve.loading import model_from_config
 
     builder, calls = harness.model_from_config_experts_on_host, []
@@ -718,6 +718,17 @@ def test_a_config_only_model_too_large_for_the_device_keeps_its_experts_in_host_
         assert next(model.parameters()).device.type == "cuda" and not said and len(calls) == 1
 
 
+def test_resident_policies_that_do_not_fit_the_device_are_reported_not_run():
+    policies = [POLICIES[n] for n in ("all-resident", "duoserve", "all-resident-compiled", "on-demand")]
+    need = 90 * 10**9  # a full-depth Mixtral's bf16 experts
+    kept, skipped = harness.fitting(policies, need, free_bytes=80 * 10**9)
+    assert [p.name for p in kept] == ["duoserve", "on-demand"]
+    assert [n["policy"] for n in skipped] == ["all-resident", "all-resident-compiled"]
+    assert "90.0 GB" in skipped[0]["reason"] and "80.0 GB free" in skipped[0]["reason"]
+    assert harness.fitting(policies, need, free_bytes=200 * 10**9) == (policies, [])
+    assert harness.fitting(policies, need, free_bytes=None) == (policies, [])  # the CPU: nothing to check
+
+
 def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_models):
     out = tmp_path / "bench.json"
     args = ["bench", "--model", str(arch_models["mixtral"]), "--config-only", "--layers", "2", "--routing", "random",
@@ -728,7 +739,7 @@ def test_bench_cli_compares_policies_on_a_config_only_model(tmp_path, arch_model
     result = runner.invoke(run_app, args)
     assert result.exit_code == 0, result.output
     saved = json.loads(out.read_text())
-    assert saved["geometry"]["moe_layers"] == 2 and saved["routing"] == "random"
+    assert saved["geometry"]["moe_layers"] == 2 and saved["routing"] == "random" and saved["skipped"] == []
     runs = {(r["policy"], r["predictor"], r["batch_size"]): r for r in saved["runs"]}
     assert len(runs) == 2 * (len(POLICIES) + 1)
     for B in (1, 2):

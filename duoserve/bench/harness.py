@@ -307,6 +307,12 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
     layers = find_moe_layers(model)
     geometry = moe_geometry(model, layers)
     layout = stores[_resident_form(stores)][0].layout
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    policies, skipped = fitting(policies, geometry.num_layers * geometry.num_experts * layout.nbytes, free)
+    for note in skipped:
+        say(f"skipped {note['policy']}: {note['reason']}")
+    if not policies:
+        raise ValueError(f"no policy fits this device: {'; '.join(n['reason'] for n in skipped)}")
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(s.seed)
     runs = []
@@ -323,7 +329,8 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
             "routing": s.routing, "prompt_lens": s.prompt_lens, "grid": s.grid, "new_tokens": s.new_tokens,
             "baseline_new_tokens": s.baseline_new_tokens,
             **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
-            "bandwidth": bandwidth, "complete": complete, "runs": runs, "targets": check_targets(runs),
+            "bandwidth": bandwidth, "complete": complete, "skipped": skipped, "runs": runs,
+            "targets": check_targets(runs),
         }
 
     # all-resident first: its experts go on and off the device before any offload run is timed
@@ -352,6 +359,26 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
                 if on_run:
                     on_run(run, report(complete=False))
     return report(complete=True)
+
+
+RESIDENT_MARGIN = 2 << 30  # bytes a resident run needs beside its experts: KV cache, activations, a compiled step
+
+
+def fitting(policies: list[Policy], expert_bytes: int, free_bytes: int | None) -> tuple[list[Policy], list[dict]]:
+    """The policies that can run, and a note for each resident one whose ``expert_bytes`` (every expert on the
+    device, in the model's dtype) and ``RESIDENT_MARGIN`` exceed the device's ``free_bytes`` (None: unknown, as on
+    the CPU: all run): a full-depth Mixtral's 90 GB on an 80 GB card is reported, not an out-of-memory crash."""
+    if free_bytes is None:
+        return policies, []
+    kept, skipped = [], []
+    for p in policies:
+        if p.resident and expert_bytes + RESIDENT_MARGIN > free_bytes:
+            skipped.append({"policy": p.name, "reason": f"every expert resident needs {expert_bytes / GB:.1f} GB "
+                                                        f"and ~{RESIDENT_MARGIN / GB:.1f} GB beside them; the device "
+                                                        f"has {free_bytes / GB:.1f} GB free"})
+        else:
+            kept.append(p)
+    return kept, skipped
 
 
 def _new_tokens(s: BenchSettings, policy: Policy) -> int:

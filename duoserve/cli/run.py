@@ -246,6 +246,8 @@ def _print_bench(result: dict, rounds: bool) -> None:
                             num(r["hit_rate"]["decode"]), num(r["stall_ms"], ".0f"), num(r["predictor_ms"], ".0f"))
     console.print(latency)
     console.print(traffic)
+    for note in result.get("skipped", []):
+        console.print(f"[yellow]not run[/yellow] {note['policy']}: {note['reason']}")
     if result["device"] == "cpu":
         console.print("The CPU stood in for a GPU: bytes, hit rates and correctness carry over, times do not. The "
                       "runtime's targets are GPU targets and are not checked here (docs/runtime.md has the H200's).")
