@@ -239,6 +239,22 @@ def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache(embedded):
     assert groups == {"model": [4] * 4, "fp8": [8] * 2}
 
 
+def test_a_quantized_simulation_on_a_version_2_profile_says_its_dequantization_is_overstated(tmp_path):
+    from duoserve.bench.whatif import SimulateSettings, simulate
+
+    shape = ModelShape.of("embedded", dtype="float32")
+    notes = {}
+    for version in (2, 3):
+        path = tmp_path / f"v{version}.json"
+        path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version}))
+        for fmt in ("model", "fp8"):
+            s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=["lru"],
+                                 predictors=["none"], expert_dtype=fmt, requests=1, prompt_len=4, new_tokens=2)
+            notes[version, fmt] = simulate(s)["notes"]
+    assert len(notes[2, "fp8"]) == 1 and "overstated" in notes[2, "fp8"][0]
+    assert notes[2, "model"] == notes[3, "fp8"] == notes[3, "model"] == []
+
+
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(
         tmp_path, embedded_trace, embedded_predictor, monkeypatch):
     from typer.testing import CliRunner

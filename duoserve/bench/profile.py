@@ -67,7 +67,8 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-PROFILE_VERSION = 2
+PROFILE_VERSION = 3  # 3: dequant_ms is the engine's own pass per expert (2: one expert dequantized eagerly)
+READABLE_PROFILE_VERSIONS = (2, 3)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -468,16 +469,17 @@ def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.devi
 
 
 def load_profile(path: str | Path) -> dict:
-    """A profile file, refused with what is wrong if it is not one this version reads or misses a field."""
+    """A profile file, refused with what is wrong if it is not one this version reads or misses a field (version 2
+    is read: its ``dequant_ms`` overstates the engine's, which ``duoserve-eval simulate`` says)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise ValueError(f"cannot read a device profile from {path}: {err}") from err
-    if not isinstance(data, dict) or data.get("profile_version") != PROFILE_VERSION:
+    if not isinstance(data, dict) or data.get("profile_version") not in READABLE_PROFILE_VERSIONS:
         found = data.get("profile_version") if isinstance(data, dict) else None
-        raise ValueError(f"{path} is not a version-{PROFILE_VERSION} device profile (profile_version: {found}); "
-                         f"make one with duoserve-run profile")
+        raise ValueError(f"{path} is not a device profile of version {' or '.join(map(str, READABLE_PROFILE_VERSIONS))} "
+                         f"(profile_version: {found}); make one with duoserve-run profile")
     missing = [f for f in PROFILE_FIELDS if data.get(f) in (None, [], {})]  # a cost measured as 0 is a cost
     if missing:
         raise ValueError(f"device profile {path} lacks {', '.join(missing)}; make it again with duoserve-run profile")

@@ -97,6 +97,15 @@ def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:
             for q in (s.predictors if get_policy(p).predict else ["none"])]
 
 
+def _notes(s: SimulateSettings, profile: dict) -> list[str]:
+    """What the reader of a simulation must know about its inputs' limits."""
+    if s.expert_dtype != "model" and profile["profile_version"] < 3:
+        return ["this profile (version 2) timed one expert dequantized eagerly, launches included, not the engine's "
+                "graphed passes: quantized stores' dequantization, and so their TTFT, are overstated; measure the "
+                "device again with duoserve-run profile"]
+    return []
+
+
 def simulate(s: SimulateSettings, charts: Path | None = None,
              on_point: Callable[[int, int, str], None] = lambda done, total, what: None) -> dict:
     """Every (policy, predictor, batch size) of ``s``; with ``charts``, also the sweeps the charts need, drawn
@@ -120,7 +129,7 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
               # which engine the profile's layer costs describe: decode layers replayed from step graphs, or eager
               "step_graphs": bool(study.profile.get("step_graphs", False)),
               "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
-              "expert_dtype": s.expert_dtype, "rows": rows}
+              "expert_dtype": s.expert_dtype, "notes": _notes(s, study.profile), "rows": rows}
     if charts is not None:
         result["sweeps"] = {name: [measure(*point, **kw) for point, kw in points] for name, points in sweeps.items()}
         result["charts"] = draw_charts(result, charts)

@@ -213,5 +213,7 @@ def simulate(
                         gb(sum(r["bytes_h2d"].values())), num(r["hit_rate"]["decode"], ".2f"),
                         num(r["stall_ms"], ".0f"), gb(r["peak_expert_bytes"]))
     console.print(summary)
+    for note in result["notes"]:
+        console.print(f"[yellow]note[/yellow]: {note}")
     console.print(f"results: {out / 'simulate.json'}"
                   + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))
