@@ -478,8 +478,9 @@ def load_profile(path: str | Path) -> dict:
         raise ValueError(f"cannot read a device profile from {path}: {err}") from err
     if not isinstance(data, dict) or data.get("profile_version") not in READABLE_PROFILE_VERSIONS:
         found = data.get("profile_version") if isinstance(data, dict) else None
-        raise ValueError(f"{path} is not a device profile of version {' or '.join(map(str, READABLE_PROFILE_VERSIONS))} "
-                         f"(profile_version: {found}); make one with duoserve-run profile")
+        versions = " or ".join(map(str, READABLE_PROFILE_VERSIONS))
+        raise ValueError(f"{path} is not a device profile of version {versions} (profile_version: {found}); make one "
+                         f"with duoserve-run profile")
     missing = [f for f in PROFILE_FIELDS if data.get(f) in (None, [], {})]  # a cost measured as 0 is a cost
     if missing:
         raise ValueError(f"device profile {path} lacks {', '.join(missing)}; make it again with duoserve-run profile")

@@ -1,11 +1,12 @@
 """The fetch schedule of calls whose experts do not all fit in the cache at once: prefill, and large decode batches.
 
 Experts already cached are computed first (their pair rows uploaded on the fetch stream, ahead of the
-copies the call queues next); every other routed expert is fetched once, in groups of half the cache (the
-whole cache for a quantized store, whose copies to staging run ahead: ``group_size``), and each group is
-computed as soon as it lands. With a copy stream (policies with
-``overlap``) the next group's copies are queued before this group's compute, so the copy stream
-always has work while the host queues compute; without one (on-demand), each group is copied on
+copies the call queues next); every other routed expert is fetched once, in groups, and each group is
+computed as soon as it lands. With a copy stream (policies with ``overlap``), groups of half the cache: the
+next group's copies are queued before this group's compute, so the copy stream always has work while the
+host queues compute. A quantized store's copies land in staging and only their dequantization waits for the
+slots' last compute, so its groups take the whole cache (``group_size``): the next group is queued after this
+one's compute and its copies still run during it. Without a copy stream (on-demand), each group is copied on
 the compute stream and waited for.
 
 Shape legend: T tokens of the call, H hidden size, n (token, expert) pairs of a group.
@@ -31,10 +32,9 @@ class GroupedFetch:
         self.overlap = overlap
 
     def group_size(self, store: HostExperts) -> int:
-        """Experts per fetched group: half the cache, so one group's copies land while the other computes; the whole
-        cache where the store stages its copies (quantized, with a copy stream), whose copies to staging run ahead
-        of the compute that frees the slots: then half as many groups, each of which costs the host as much to
-        queue as a quantized group's copies take (Qwen3-30B-A3B's prefill: 16 groups a layer at 0.6-0.7 ms each)."""
+        """Experts per fetched group (module docstring): the whole cache for a store that stages its copies, half of
+        it otherwise. Fewer groups matter because each costs the host about as much to queue as a quantized group's
+        copies take (Qwen3-30B-A3B's fp8 prefill: 16 groups a layer became 8)."""
         slots = self.cache.open_slots
         staged = self.overlap and store.dequantizes and self.streams.dequant is not None
         return max(1, slots if staged else slots // 2)
