@@ -26,19 +26,23 @@ from duoserve.bench.targets import check_targets
 PEER_POLICIES = ("duoserve", "cpu-experts", "on-demand", "all-resident", "all-resident-compiled")
 
 
-def merge(files: list[Path]) -> tuple[list[dict], int]:
-    """Every run of ``files``, each tagged with the file it came from, and their model's MoE layers (refused if
-    the files are of different depths)."""
-    runs, depths = [], set()
+def merge(files: list[Path]) -> tuple[list[dict], list[dict], int]:
+    """Every run of ``files``, each tagged with the file it came from; the policies a bench left out (a resident
+    reference that did not fit the GPU: the bounds then lack their compute side); and their model's MoE layers
+    (refused if the files are of different depths)."""
+    runs, skipped, depths = [], [], set()
     for path in files:
         data = json.loads(path.read_text())
         if not data.get("complete", True):
             print(f"note: {path.name} is partial (its bench was stopped); its runs so far are used")
+        for note in data.get("skipped", []):
+            print(f"note: {path.name} did not run {note['policy']}: {note['reason']}")
+            skipped.append({**note, "source": path.name})
         runs += [{**r, "source": path.name} for r in data["runs"]]
         depths.add(data["geometry"]["moe_layers"])
     if len(depths) != 1:
         raise SystemExit(f"the files have different depths {sorted(depths)}: merge one model's files")
-    return runs, depths.pop()
+    return runs, skipped, depths.pop()
 
 
 def plot(runs: list[dict], prefix: Path, title: str) -> list[Path]:
@@ -91,9 +95,9 @@ def main() -> None:
     parser.add_argument("--llama-cpp", type=Path, help="llama_cpp_h200.sh's llama.cpp result")
     parser.add_argument("--llama-cpp-peer", type=Path, help="the bench result of the same shape")
     args = parser.parse_args()
-    runs, depth = merge(args.files)
+    runs, skipped, depth = merge(args.files)
     targets = [t for t in check_targets(runs) if t["round"] != "median"]
-    report = {"files": [f.name for f in args.files], "runs": runs, "targets": targets}
+    report = {"files": [f.name for f in args.files], "runs": runs, "skipped": skipped, "targets": targets}
     for t in targets:
         verdict = "met" if t["met"] else "NOT met"
         print(f"B={t['batch_size']} S={t['prompt_len']} {t['target']}: {t['value']:.2f} {verdict}")
