@@ -131,7 +131,6 @@ def test_lookahead_heads_replay_as_cuda_graphs():
     assert len(deployed._graphs) == 1
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")])])
 def test_a_steps_first_layer_prefetches_each_target_from_its_own_head(device):

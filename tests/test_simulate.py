@@ -188,8 +188,7 @@ def test_simulated_times_follow_the_profile(embedded):
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
 
 
-
-def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots(embedded):
+def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots():
     """A 2-slot cache (Mixtral's at the on-demand budget): the next layer's experts can only go into the slots the
     current layer's compute reads. bf16 copies land in the slots, so they wait for that compute; quantized ones land
     in staging first, so only their dequantization into the slots waits, and the copy stream never idles."""
@@ -214,7 +213,7 @@ def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots(embedd
     assert copied < computed < dequantized  # to staging during that compute; into the slots after it
 
 
-def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache(embedded):
+def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache():
     """Quantized copies run ahead into staging, so a call that needs more experts than the cache holds fetches them
     in groups of the whole cache (half as many groups, each costing the host to queue); bf16 copies land in the
     slots, so groups of half the cache alternate. Every expert is computed once either way."""

@@ -55,7 +55,7 @@ from duoserve.bench.shapes import model_source
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
-from duoserve.predictor.fast import TrainedPredictor
+from duoserve.predictor.fast import TrainedPredictor, top_k
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.scheduler import ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
@@ -148,8 +148,7 @@ class _TimedPredictor:
         filled = self.table.get((self.key, target, depth))
         if filled is None:
             return self.predictor.top(history, target, k, *nextgate, depth=depth)
-        top = filled.topk(k, dim=1)
-        return top.values, top.indices
+        return top_k(filled, k)
 
 
 class _PassRouting:

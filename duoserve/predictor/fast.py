@@ -72,6 +72,12 @@ class SparseHistoryPredictor(nn.Module):
     predict = ExpertPredictor.predict  # the same top ids, from this forward
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``k`` best of B x E ``scores`` and their expert ids (B x k each): what the runtime's prefetch reads."""
+    top = scores.topk(k, dim=1)
+    return top.values, top.indices
+
+
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
@@ -134,8 +140,7 @@ class GraphedPredictor:
 
     def _top_scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
                     nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top = self._scores(history, target, nextgate, nextgate_scores, depth).topk(self.budget, dim=1)
-        return top.values, top.indices  # B x budget each
+        return top_k(self._scores(history, target, nextgate, nextgate_scores, depth), self.budget)
 
     def _warm_up(self) -> None:
         for _ in range(3):  # allocations and kernels (and a compiled call's compilation) outside the capture
@@ -237,10 +242,7 @@ class TrainedPredictor:
         layer, ahead = self._filled(B, target, history.device), self._filled(B, depth, history.device)
         if history.device.type != "cuda":
             scores = self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()  # B x E
-            if output == "scores":
-                return scores
-            top = scores.topk(k, dim=1)
-            return top.values, top.indices
+            return scores if output == "scores" else top_k(scores, k)
         if (B, output, k) not in self._graphs:
             self._graphs[B, output, k] = GraphedPredictor(self.predictor, B, k, device=history.device, output=output,
                                                           compile=self.compile, module=self.model)

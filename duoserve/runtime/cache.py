@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from duoserve.runtime.store import ExpertLayout, HostExperts, Rows
+from duoserve.runtime.store import ExpertLayout, HostExperts, Rows, staged
 from duoserve.runtime.streams import Streams
 
 Key = tuple[int, int]  # (layer, expert)
@@ -138,9 +138,9 @@ class ExpertCache:
         if self._heap is None:
             skip = keep | self.pinned if self.pinned else keep
             allowed = [s for s, key in enumerate(self.key) if key not in skip]
-            if len(allowed) <= count:  # every slot it may take: no ranking
-                if len(allowed) < count:
-                    raise self._full(count, keep)
+            if len(allowed) < count:
+                raise self._full(count, keep)
+            if len(allowed) == count:  # every slot it may take: no ranking
                 return allowed
             key, wanted, used = self.key, self.wanted, self.used
             ranked = sorted(allowed, key=lambda s: (-1.0, -1, s) if key[s] is None else (wanted[s], used[s], s))
@@ -174,7 +174,8 @@ class ExpertCache:
         key, slot_of, used, scores = self.key, self.slot_of, self.used, self.wanted
         # slots freed by one compute share its event: wait once for each last reader. A store that stages its copies
         # writes the slots on the dequant stream: only that waits, and its copies to staging run ahead of the compute
-        writer = self.streams.dequant if store.dequantizes and self.streams.dequant is not None else stream
+        self._dequantizing = staged(store, self.streams)
+        writer = self.streams.dequant if self._dequantizing else stream
         for event in {id(f): f for f in map(self.free.__getitem__, slots)}.values():
             self.streams.wait(writer, event)
         for e, s, score in zip(experts, slots, wanted or [0.0] * len(slots)):
@@ -185,7 +186,6 @@ class ExpertCache:
             used[s], scores[s] = self.clock, score
         self._touch(slots)
         store.copy_group(experts, slots, self.rows, self.streams, stream, self.scratch)
-        self._dequantizing = store.dequantizes
         if phase is not None:
             self.stats.copies[phase] += len(slots)
             self.stats.bytes[phase] += len(slots) * store.row_bytes
@@ -197,7 +197,7 @@ class ExpertCache:
         """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and more) has run, and the
         dequantization of what the last fetch copied, if its store is quantized."""
         ready = self.streams.record(stream or self.streams.copy)
-        if self._dequantizing and self.streams.dequant is not None:
+        if self._dequantizing:
             self.streams.wait(self.streams.dequant, ready)
             ready = self.streams.record(self.streams.dequant)
         self._dequantizing = False

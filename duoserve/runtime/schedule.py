@@ -18,7 +18,7 @@ import torch
 
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import PairRows, Routing, SlotCompute
-from duoserve.runtime.store import HostExperts
+from duoserve.runtime.store import HostExperts, staged
 from duoserve.runtime.streams import EngineTimers, Streams
 
 
@@ -36,8 +36,7 @@ class GroupedFetch:
         it otherwise. Fewer groups matter because each costs the host about as much to queue as a quantized group's
         copies take (Qwen3-30B-A3B's fp8 prefill: 16 groups a layer became 8)."""
         slots = self.cache.open_slots
-        staged = self.overlap and store.dequantizes and self.streams.dequant is not None
-        return max(1, slots if staged else slots // 2)
+        return max(1, slots if self.overlap and staged(store, self.streams) else slots // 2)
 
     def compute_cached(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
                        hits: dict[int, int]) -> torch.Tensor:

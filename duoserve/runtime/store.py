@@ -74,6 +74,12 @@ class Rows:
         return self._one[start] if count == 1 else self.table[start:start + count]
 
 
+def staged(store, streams: Streams) -> bool:
+    """Whether ``store``'s copies reach the cache's slots through staging and the dequant stream (a quantized store,
+    where there is such a stream: a GPU, or a simulator's clocks): then only that stream writes the slots."""
+    return store.dequantizes and streams.dequant is not None
+
+
 def runs(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
     """(first of ``src``, first of ``dst``, count) for each stretch where both step up by one together: what one copy
     moves. A prefill's groups are mostly such stretches (experts in order, into slots in order), so each takes one
