@@ -1,10 +1,14 @@
-"""The offload simulator against the engine measured on the H200: every run of the benches that
-benchmarks/simulate_h200.sh made, replayed through ``duoserve.bench.simulate`` on the H200 profile of its
+"""The offload simulator against the engine measured on one GPU: every run of the benches that
+benchmarks/simulate_h200.sh made, replayed through ``duoserve.bench.simulate`` on that machine's profile of its
 shape (same policy, predictor, cache budget, batch, prompt, tokens and routing source; a random draw is not
 the same draw, a replayed trace is the same rows), and simulated TTFT and time per output token set beside
 the measured ones. Needs no GPU.
 
     python benchmarks/simulate_validation.py --out benchmarks/results/simulate_validation_h200.json
+    python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
+
+``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
+``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
 """
 
 from __future__ import annotations
@@ -26,11 +30,12 @@ from duoserve.runtime.settings import EngineSettings
 
 RESULTS = Path(__file__).parent / "results"
 TOLERANCE = 0.10
-# bench file -> (model shape, its profile, the trace it replayed: where simulate_h200.sh found it)
+# bench (simulate_bench_{name}_{machine}.json) -> (model shape, the trace it replayed: where simulate_h200.sh found
+# it); its profile is the shipped {machine}-{shape}
 BENCHES = {
-    "simulate_bench_qwen3-30b-a3b_h200.json": ("qwen3-30b-a3b", "h200-qwen3-30b-a3b", None),
-    "simulate_bench_qwen3-30b-a3b_2gb_h200.json": ("qwen3-30b-a3b", "h200-qwen3-30b-a3b", None),
-    "simulate_bench_embedded_h200.json": ("embedded", "h200-embedded", "out/traces"),
+    "qwen3-30b-a3b": ("qwen3-30b-a3b", None),
+    "qwen3-30b-a3b_2gb": ("qwen3-30b-a3b", None),
+    "embedded": ("embedded", "out/traces"),
 }
 
 
@@ -48,9 +53,11 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__, geometry=None)
     p.add_argument("--results", type=Path, default=RESULTS, help="where the bench files are")
+    p.add_argument("--machine", default="h200", help="which GPU's benches and profiles: h200 or h100")
     args = p.parse_args(argv)
     rows, skipped = [], []
-    for name, (spec, profile_name, trace) in BENCHES.items():
+    for bench_name, (spec, trace) in BENCHES.items():
+        name, profile_name = f"simulate_bench_{bench_name}_{args.machine}.json", f"{args.machine}-{spec}"
         path = args.results / name
         if not path.exists():
             print(f"skipping {name}: not found", file=sys.stderr)
@@ -82,19 +89,19 @@ def main(argv: list[str] | None = None) -> dict:
                          "within": all(abs(v - 1) <= TOLERANCE for v in ratio.values()),
                          "bytes_h2d": {"measured": r["bytes_h2d"], "simulated": simulated["bytes_h2d"]},
                          "hit_rate": {"measured": r["hit_rate"], "simulated": simulated["hit_rate"]}})
-    table = Table(title=f"simulated / measured on the H200 (within {TOLERANCE:.0%})")
+    table = Table(title=f"simulated / measured on the {args.machine.upper()} (within {TOLERANCE:.0%})")
     for col in ("bench", "policy", "predictor", "B", "TTFT ms", "sim", "ratio", "TPOT ms", "sim", "ratio", "ok"):
         table.add_column(col)
     for row in rows:
         m, s, q = row["measured"], row["simulated"], row["ratio"]
-        table.add_row(row["bench"].removeprefix("simulate_bench_").removesuffix("_h200.json"), row["policy"],
+        table.add_row(row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json"), row["policy"],
                       str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
                       f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
                       f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no")
     Console().print(table)
     held = sum(row["within"] for row in rows)
     print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}")
-    result = {"tolerance": TOLERANCE, "rows": rows, "held": held, "skipped": skipped}
+    result = {"machine": args.machine, "tolerance": TOLERANCE, "rows": rows, "held": held, "skipped": skipped}
     write_result(args.out, result)
     return result
 
