@@ -1108,6 +1108,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert [(c["phase"], c["tokens"]) for c in profile["call_host_us"]] == [("decode", 1), ("decode", 2),
                                                                            ("prefill", 1), ("prefill", 16)]
     assert all(c["us"] > 0 for c in profile["call_host_us"])
+    assert all(0 < c["routing_us"] <= c["us"] for c in profile["call_host_us"])  # the engine's own routing section
     assert set(profile["dequant_ms"]) == {"fp8", "int4"} and all(v > 0 for v in profile["dequant_ms"].values())
     for name in ("layer_ms", "step_ms"):
         assert [(r["batch"], r["context"]) for r in profile[name]] == [(1, 8), (2, 8)]
@@ -1133,7 +1134,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2 or 3"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3 or 4"):
         load_profile(tmp_path / "old.json")
 
 

@@ -188,6 +188,33 @@ def test_simulated_times_follow_the_profile(embedded):
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
 
 
+def test_a_calls_host_time_after_its_routing_read_overlaps_its_misses_copies(embedded):
+    """The engine queues a call's fetches right after reading its routing, then spends the rest of its host time
+    (rows, launches) while they copy: a profile that says so (version 4's routing_us) times on-demand's decode,
+    whose every call waits for its misses, faster than one that charges the whole call first; a call whose experts
+    are all cached waits for nothing, so it costs the same either way."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = cpu_profile(shape)
+    for row in profile["copy"]:
+        row["pinned_gbps"] /= 1000  # copies as long as the calls' host time
+    for row in profile["call_host_us"]:
+        row["us"] = 500.0
+    tpot = {}
+    for routing_us in (500.0, 50.0):
+        costs = Costs({**profile, "profile_version": 4,
+                       "call_host_us": [{**row, "routing_us": routing_us} for row in profile["call_host_us"]]})
+        assert costs.routing_host_ms("decode", 1) == routing_us / 1e3
+        for policy, budget in (("on-demand", None), ("lru", shape.num_layers * shape.num_experts)):
+            settings = EngineSettings(gpu_expert_budget=budget and budget * shape.layout.nbytes)
+            sim = Simulator(shape, costs, POLICIES[policy], settings=settings)
+            result = run(sim, ((0, p) for p in random_passes(shape, 1, 128, 8)))
+            tpot[policy, routing_us] = result["tpot_ms"]["mean"]
+            if policy == "lru":
+                assert result["hit_rate"]["decode"] == 1.0  # every expert cached by the prompt
+    assert tpot["on-demand", 50.0] < tpot["on-demand", 500.0]
+    assert tpot["lru", 50.0] == pytest.approx(tpot["lru", 500.0])
+
+
 def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots():
     """A 2-slot cache (Mixtral's at the on-demand budget): the next layer's experts can only go into the slots the
     current layer's compute reads. bf16 copies land in the slots, so they wait for that compute; quantized ones land

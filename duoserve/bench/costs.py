@@ -51,7 +51,8 @@ class Costs:
 
     def __init__(self, profile: dict):
         self.profile = profile
-        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "pass_ms", "predictor_ms", "fetch_host_ms"):
+        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "routing_host_ms", "pass_ms", "predictor_ms",
+                     "fetch_host_ms"):
             setattr(self, name, functools.cache(getattr(self, name)))
         self.expert_bytes = profile["geometry"]["expert_bytes"]
         self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
@@ -68,8 +69,10 @@ class Costs:
         # a group of g experts with T tokens each: base + g * per_expert(T)
         self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
         self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
-        self._call_host = {phase: [(r["tokens"], r["us"] / 1e3) for r in profile["call_host_us"] if r["phase"] == phase]
-                           for phase in ("prefill", "decode")}
+        # a profile before version 4 has no routing_us: the whole call then comes before its fetches
+        self._call_host, self._routing_host = ({phase: [(r["tokens"], r.get(key, r["us"]) / 1e3)
+                                                        for r in profile["call_host_us"] if r["phase"] == phase]
+                                                for phase in ("prefill", "decode")} for key in ("us", "routing_us"))
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
         self.module_copy_ms = profile["module_copy_ms"]
         self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
@@ -98,8 +101,14 @@ class Costs:
         return self._base + sum(map(self.per_expert_ms, counts))
 
     def call_host_ms(self, phase: str, tokens: int) -> float:
+        """Host time of a layer call of ``tokens`` whose experts are all cached."""
         points = self._call_host[phase] or self._call_host["prefill"]
         return _interp(points, tokens)
+
+    def routing_host_ms(self, phase: str, tokens: int) -> float:
+        """The part of ``call_host_ms`` before the call queues any fetch (its routing read), at most all of it."""
+        points = self._routing_host[phase] or self._routing_host["prefill"]
+        return min(_interp(points, tokens), self.call_host_ms(phase, tokens))
 
     def pass_ms(self, name: str, phase: str, batch: int, context: int) -> tuple[float, float]:
         """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C), wall and device: linear

@@ -17,7 +17,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
                 grouped, the cache looked up, one compute group queued), by phase and tokens; a decode call's
                 timed inside real generations (the host's caches as a forward pass leaves them, which costs it
-                more than a call timed alone), the device waited for before each call
+                more than a call timed alone), the device waited for before each call; ``routing_us``: the part
+                of it before a call queues any fetch (the engine's "wait for routing" section): a call with misses
+                queues their copies there and spends the rest while they run (profiles before version 4 lack it;
+                the simulator then charges the whole call before the copies)
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
                 heap-ranked one; timed inside real generations too
@@ -67,8 +70,11 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-PROFILE_VERSION = 3  # 3: dequant_ms is the engine's own pass per expert (2: one expert dequantized eagerly)
-READABLE_PROFILE_VERSIONS = (2, 3)
+# 4: call_host_us rows carry routing_us; 3: dequant_ms is the engine's own pass per expert (2: one expert
+# dequantized eagerly)
+PROFILE_VERSION = 4
+READABLE_PROFILE_VERSIONS = (2, 3, 4)
+ROUTING_SECTION = "wait for routing"  # the engine's host section before a layer call queues its fetches
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -203,9 +209,14 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
     return rows
 
 
+def _routing_ms(engine: OffloadEngine) -> float:
+    """Host milliseconds ``engine`` has spent so far reading routings (``ROUTING_SECTION``)."""
+    return engine.timers.cpu.ms.get(ROUTING_SECTION, 0.0)
+
+
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
-    """(phase, tokens, host µs, experts fetched) of each of ``engine``'s layer calls in a real generation of ``batch``
-    prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them,
+    """(phase, tokens, host µs, experts fetched, routing µs) of each of ``engine``'s layer calls in a real generation
+    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them,
     the device waited for before each call, so what is timed is the call's own host work, not a wait for its
     router."""
     calls = []
@@ -213,11 +224,11 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
 
     def timed(l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         sync(device)
-        copies = sum(engine.cache.stats.copies.values())
+        copies, routed = sum(engine.cache.stats.copies.values()), _routing_ms(engine)
         start = time.perf_counter()
         out = run(l, hidden, idx, weights)
         calls.append((engine.phase, len(idx), (time.perf_counter() - start) * 1e6,
-                      sum(engine.cache.stats.copies.values()) - copies))
+                      sum(engine.cache.stats.copies.values()) - copies, (_routing_ms(engine) - routed) * 1e3))
         return out
 
     vocab = model.get_input_embeddings().num_embeddings
@@ -248,13 +259,20 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     nbytes = stores[0].layout.nbytes
     rng = np.random.default_rng(0)
 
-    def call(engine, l: int, phase: str, ids: np.ndarray) -> float:
+    def call(engine, l: int, phase: str, ids: np.ndarray) -> tuple[float, float]:
+        """Host µs of one call, and of its routing read."""
         T = len(ids)
         hidden = torch.randn(T, H, dtype=dtype, device=device)  # T x H
         weights = torch.full((T, k), 1.0 / k, dtype=dtype, device=device)  # T x k
         idx = torch.as_tensor(ids, device=device)  # T x k
         engine.phase = phase
-        return _host_ms(lambda: engine.run_layer(l, hidden, idx, weights), device) * 1e3
+        routed = _routing_ms(engine)
+        us = _host_ms(lambda: engine.run_layer(l, hidden, idx, weights), device) * 1e3
+        return us, (_routing_ms(engine) - routed) * 1e3
+
+    def median(times: list[tuple]) -> tuple[float, float]:
+        """The median host µs of calls (``call``'s pairs) and of their routing reads."""
+        return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
     def engine(slots: int) -> OffloadEngine:
         return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(gpu_expert_budget=slots * nbytes))
@@ -268,27 +286,28 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
                 call(cached, l, "prefill", every)  # every expert of every layer cached from here on
             for T in [*s.tokens, len(every)]:
                 times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
-                hit_us["prefill", T] = statistics.median(times[2:])
+                hit_us["prefill", T] = median(times[2:])
         for B in s.batch_sizes:
-            hit_us["decode", B] = statistics.median(us for phase, _, us, _ in _timed_calls(cached, model, s, B, device)
-                                                    if phase == "decode")
-    rows = [{"phase": phase, "tokens": T, "us": us} for (phase, T), us in sorted(hit_us.items()) if (phase, T) !=
+            hit_us["decode", B] = median([(us, routing) for phase, _, us, _, routing
+                                          in _timed_calls(cached, model, s, B, device) if phase == "decode"])
+    rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
+            in sorted(hit_us.items()) if (phase, T) !=
             ("prefill", len(every)) or T in s.tokens]
 
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
         with torch.no_grad():
-            timed = [(us, n) for phase, _, us, n in _timed_calls(engine(slots), model, s, 1, device)
+            timed = [(us, n) for phase, _, us, n, _ in _timed_calls(engine(slots), model, s, 1, device)
                      if phase == "decode" and n]
-        spent = statistics.median((us - hit_us["decode", 1]) / n for us, n in timed) if timed else 0.0
+        spent = statistics.median((us - hit_us["decode", 1][0]) / n for us, n in timed) if timed else 0.0
         # at least the copy's own queueing: on a small model the difference is within the noise of two medians
         fetch.append({"slots": slots, "us": max(spent, copy_us)})
 
     # one prefill call of every expert, none cached, through a cache of 2k slots: E misses in E/k groups of k
     with torch.no_grad(), engine(2 * k) as e:
         times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
-    prefill_us = statistics.median(times[2 * L:])
-    extra = prefill_us - hit_us["prefill", len(every)] - E * fetch[0]["us"]
+    prefill_us, _ = median(times[2 * L:])
+    extra = prefill_us - hit_us["prefill", len(every)][0] - E * fetch[0]["us"]
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
     return {"call": rows, "fetch": fetch, "group": max(extra, 0.0) / max(len(every) - 1, 1),
             "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"]), modules, model, s,
@@ -478,7 +497,8 @@ def load_profile(path: str | Path) -> dict:
         raise ValueError(f"cannot read a device profile from {path}: {err}") from err
     if not isinstance(data, dict) or data.get("profile_version") not in READABLE_PROFILE_VERSIONS:
         found = data.get("profile_version") if isinstance(data, dict) else None
-        versions = " or ".join(map(str, READABLE_PROFILE_VERSIONS))
+        *older, newest = map(str, READABLE_PROFILE_VERSIONS)
+        versions = f"{', '.join(older)} or {newest}"
         raise ValueError(f"{path} is not a device profile of version {versions} (profile_version: {found}); make one "
                          f"with duoserve-run profile")
     missing = [f for f in PROFILE_FIELDS if data.get(f) in (None, [], {})]  # a cost measured as 0 is a cost

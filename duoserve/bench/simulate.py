@@ -23,7 +23,8 @@ over stand-ins that do no work but advance clocks by a device profile's costs (`
 
 and, per forward pass: each decoder layer's non-expert work, launched by the host over its wall time while its
 kernels run on the compute stream (``layer_ms``), the host waiting for its router (the engine reads every layer's
-routing), the engine's host time per layer call (``call_host_us``), and the pass's own cost (``step_ms``:
+routing), the engine's host time per layer call (``call_host_us``: its routing read before the call's fetches
+are queued, the rest after them, while their copies run), and the pass's own cost (``step_ms``:
 embedding, head, sampling), the host waiting for its token. So the simulator's hits, copies and bytes are the
 engine's on the same routing and predictor (tested exactly against the engine on the CPU); its times are the
 profile's model of them (against the engine on the H200: ``benchmarks/simulate_validation.py``).
@@ -242,14 +243,14 @@ class Simulator:
         hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)
         idx = torch.from_numpy(p.ids.astype(np.int64, copy=False))  # L x T x k
         wall, device = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
-        host_ms = costs.call_host_ms(p.phase, T)
+        host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
         for l, layer_idx in enumerate(idx.unbind(0)):  # T x k each
             s.launch(wall, device)
             s.block(s.compute)  # the engine reads the layer's routing
-            s.host += host_ms
-            sched.compute.groups = 0
+            s.host += routing_ms
+            sched.compute.begin_call(host_ms - routing_ms)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
         s.block(s.compute)  # the next token is read

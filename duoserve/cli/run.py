@@ -207,9 +207,10 @@ def profile_cmd(
     for e in result["expert_ms"]:
         compute.add_row(str(e["experts"]), str(e["tokens"]), num(e["ms"], ".3f"))
     console.print(compute)
-    calls = table("host time of an engine layer call, every expert cached", "phase", "tokens", "us")
+    calls = table("host time of an engine layer call, every expert cached", "phase", "tokens", "us",
+                  "routing us")
     for c in result["call_host_us"]:
-        calls.add_row(c["phase"], str(c["tokens"]), num(c["us"], ".1f"))
+        calls.add_row(c["phase"], str(c["tokens"]), num(c["us"], ".1f"), num(c["routing_us"], ".1f"))
     console.print(calls)
     rest = table("per layer without its experts, and per pass", "B", "context", "decode ms", "prefill ms",
                  "pass decode ms", "pass prefill ms")
