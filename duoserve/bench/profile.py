@@ -24,7 +24,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
                 heap-ranked one; timed inside real generations too
-  group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches)
+  group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches):
+                a prefill of every expert through caches of 2k and k slots, fetched in groups of k and k/2, the
+                difference in host time over the difference in groups (version 3 and before: one such call
+                less a hit call and E fetches, which left a per-expert part in it)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for
   dequant_ms    device time per expert of the engine's dequantization, by stored expert dtype: a pass of its
@@ -70,7 +73,7 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-# 4: call_host_us rows carry routing_us; 3: dequant_ms is the engine's own pass per expert (2: one expert
+# 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass per expert (2: one expert
 # dequantized eagerly)
 PROFILE_VERSION = 4
 READABLE_PROFILE_VERSIONS = (2, 3, 4)
@@ -303,13 +306,22 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         # at least the copy's own queueing: on a small model the difference is within the noise of two medians
         fetch.append({"slots": slots, "us": max(spent, copy_us)})
 
-    # one prefill call of every expert, none cached, through a cache of 2k slots: E misses in E/k groups of k
-    with torch.no_grad(), engine(2 * k) as e:
-        times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
-    prefill_us, _ = median(times[2 * L:])
-    extra = prefill_us - hit_us["prefill", len(every)][0] - E * fetch[0]["us"]
+    # one prefill call of every expert, none cached, through caches of 2k and k slots: the same E misses in groups
+    # of half of each cache. A group costs the difference over the difference in groups, what each expert costs
+    # (its fetch, its pair rows) cancelling; one call less a hit call and E decode-time fetches leaves that in (on
+    # an H100 it read 1.0 ms a group where the bench's host sections showed 0.74)
+    prefill = []
+    for slots in (2 * k, k):
+        with torch.no_grad(), engine(slots) as e:
+            times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
+            prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
+    (few_us, few), (many_us, many) = prefill
+    if many > few:
+        group = (many_us - few_us) / (many - few)
+    else:  # top-1: both caches fetch an expert a group
+        group = (few_us - hit_us["prefill", len(every)][0] - E * fetch[0]["us"]) / max(few - 1, 1)
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
-    return {"call": rows, "fetch": fetch, "group": max(extra, 0.0) / max(len(every) - 1, 1),
+    return {"call": rows, "fetch": fetch, "group": max(group, 0.0),
             "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"]), modules, model, s,
                                        device)}
 
