@@ -53,7 +53,7 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
 def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__, geometry=None)
     p.add_argument("--results", type=Path, default=RESULTS, help="where the bench files are")
-    p.add_argument("--machine", default="h200", help="which GPU's benches and profiles: h200 or h100")
+    p.add_argument("--machine", default="h200", choices=("h200", "h100"), help="which GPU's benches and profiles")
     args = p.parse_args(argv)
     rows, skipped = [], []
     for bench_name, (spec, trace) in BENCHES.items():
@@ -94,8 +94,8 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_column(col)
     for row in rows:
         m, s, q = row["measured"], row["simulated"], row["ratio"]
-        table.add_row(row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json"), row["policy"],
-                      str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
+        name = row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json")
+        table.add_row(name, row["policy"], str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
                       f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
                       f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no")
     Console().print(table)

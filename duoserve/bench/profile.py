@@ -73,8 +73,8 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-# 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass per expert (2: one expert
-# dequantized eagerly)
+# 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
+# per expert (2: one expert dequantized eagerly)
 PROFILE_VERSION = 4
 READABLE_PROFILE_VERSIONS = (2, 3, 4)
 ROUTING_SECTION = "wait for routing"  # the engine's host section before a layer call queues its fetches
@@ -219,9 +219,9 @@ def _routing_ms(engine: OffloadEngine) -> float:
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
     """(phase, tokens, host µs, experts fetched, routing µs) of each of ``engine``'s layer calls in a real generation
-    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass leaves them,
-    the device waited for before each call, so what is timed is the call's own host work, not a wait for its
-    router."""
+    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass
+    leaves them, the device waited for before each call, so what is timed is the call's own host work, not a wait
+    for its router."""
     calls = []
     run = engine.run_layer
 
@@ -294,8 +294,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
             hit_us["decode", B] = median([(us, routing) for phase, _, us, _, routing
                                           in _timed_calls(cached, model, s, B, device) if phase == "decode"])
     rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
-            in sorted(hit_us.items()) if (phase, T) !=
-            ("prefill", len(every)) or T in s.tokens]
+            in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
 
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
