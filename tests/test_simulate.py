@@ -265,20 +265,27 @@ def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache():
     assert groups == {"model": [4] * 4, "fp8": [8] * 2}
 
 
-def test_a_quantized_simulation_on_a_version_2_profile_says_its_dequantization_is_overstated(tmp_path):
+def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
+    """Version 2 timed dequantization eagerly (quantized stores overstated); before version 4 a call's host time has
+    no routing part (policies that wait for their misses overstated): each simulation says what applies to it."""
     from duoserve.bench.whatif import SimulateSettings, simulate
 
     shape = ModelShape.of("embedded", dtype="float32")
     notes = {}
-    for version in (2, 3):
+    for version in (2, 3, 4):
         path = tmp_path / f"v{version}.json"
-        path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version}))
-        for fmt in ("model", "fp8"):
-            s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=["lru"],
-                                 predictors=["none"], expert_dtype=fmt, requests=1, prompt_len=4, new_tokens=2)
-            notes[version, fmt] = simulate(s)["notes"]
-    assert len(notes[2, "fp8"]) == 1 and "overstated" in notes[2, "fp8"][0]
-    assert notes[2, "model"] == notes[3, "fp8"] == notes[3, "model"] == []
+        rows = [{**row, "routing_us": row["us"] / 2} for row in cpu_profile(shape)["call_host_us"]]
+        path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version, "call_host_us": rows}))
+        for policy in ("duoserve", "lru"):
+            for fmt in ("model", "fp8"):
+                s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=[policy],
+                                     predictors=["none"], expert_dtype=fmt, requests=1, prompt_len=4, new_tokens=2)
+                notes[version, policy, fmt] = simulate(s)["notes"]
+    dequant = [key for key, said in notes.items() if any("dequantized eagerly" in note for note in said)]
+    assert dequant == [(2, "duoserve", "fp8"), (2, "lru", "fp8")]
+    routing = [key for key, said in notes.items() if any("no routing_us" in note and "lru" in note for note in said)]
+    assert routing == [(v, "lru", fmt) for v in (2, 3) for fmt in ("model", "fp8")]
+    assert notes[4, "lru", "fp8"] == notes[3, "duoserve", "fp8"] == []
 
 
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(

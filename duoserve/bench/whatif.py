@@ -99,11 +99,19 @@ def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:
 
 def _notes(s: SimulateSettings, profile: dict) -> list[str]:
     """What the reader of a simulation must know about its inputs' limits."""
-    if s.expert_dtype != "model" and profile["profile_version"] < 3:
-        return ["this profile (version 2) timed one expert dequantized eagerly, launches included, not the engine's "
-                "graphed passes: quantized stores' dequantization, and so their TTFT, are overstated; measure the "
-                "device again with duoserve-run profile"]
-    return []
+    version, notes = profile["profile_version"], []
+    if s.expert_dtype != "model" and version < 3:
+        notes.append("this profile (version 2) timed one expert dequantized eagerly, launches included, not the "
+                     "engine's graphed passes: quantized stores' dequantization, and so their TTFT, are overstated; "
+                     "measure the device again with duoserve-run profile")
+    waiting = [name for name in s.policies if not (get_policy(name).predict or get_policy(name).prefetch_layer)]
+    if version < 4 and waiting:
+        notes.append(f"this profile (version {version}) has no routing_us: a layer call's whole host time is charged "
+                     "before its fetches, where the engine queues them first and spends the rest while they copy, "
+                     f"so {', '.join(waiting)}, which wait for every miss, come out slow where the host is the bound "
+                     "(up to 1.27x the engine's decode on an H100); measure the device again with duoserve-run "
+                     "profile")
+    return notes
 
 
 def simulate(s: SimulateSettings, charts: Path | None = None,
