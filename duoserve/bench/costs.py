@@ -69,10 +69,12 @@ class Costs:
         # a group of g experts with T tokens each: base + g * per_expert(T)
         self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
         self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
-        # a profile before version 4 has no routing_us: the whole call then comes before its fetches
-        self._call_host, self._routing_host = ({phase: [(r["tokens"], r.get(key, r["us"]) / 1e3)
-                                                        for r in profile["call_host_us"] if r["phase"] == phase]
-                                                for phase in ("prefill", "decode")} for key in ("us", "routing_us"))
+        def by_phase(key: str) -> dict[str, list[tuple[int, float]]]:
+            # a profile before version 4 has no routing_us: the whole call then comes before its fetches
+            return {phase: [(r["tokens"], r.get(key, r["us"]) / 1e3) for r in profile["call_host_us"]
+                            if r["phase"] == phase] for phase in ("prefill", "decode")}
+
+        self._call_host, self._routing_host = by_phase("us"), by_phase("routing_us")
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
         self.module_copy_ms = profile["module_copy_ms"]
         self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)

@@ -18,14 +18,14 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 grouped, the cache looked up, one compute group queued), by phase and tokens; a decode call's
                 timed inside real generations (the host's caches as a forward pass leaves them, which costs it
                 more than a call timed alone), the device waited for before each call; ``routing_us``: the part
-                of it before a call queues any fetch (the engine's "wait for routing" section): a call with misses
+                of it before a call queues any fetch (the engine's ``ROUTING_SECTION``): a call with misses
                 queues their copies there and spends the rest while they run (profiles before version 4 lack it;
                 the simulator then charges the whole call before the copies)
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
                 heap-ranked one; timed inside real generations too
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches):
-                a prefill of every expert through caches of 2k and k slots, fetched in groups of k and k/2, the
+                a prefill of every expert through caches of 4k and k slots, fetched in groups of 2k and k/2, the
                 difference in host time over the difference in groups (version 3 and before: one such call
                 less a hit call and E fetches, which left a per-expert part in it)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
@@ -69,6 +69,7 @@ from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import QuantizedExperts, dequantize, make_store
+from duoserve.runtime.scheduler import ROUTING_SECTION
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
@@ -77,7 +78,6 @@ from duoserve.runtime.streams import Streams
 # per expert (2: one expert dequantized eagerly)
 PROFILE_VERSION = 4
 READABLE_PROFILE_VERSIONS = (2, 3, 4)
-ROUTING_SECTION = "wait for routing"  # the engine's host section before a layer call queues its fetches
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -305,22 +305,19 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         # at least the copy's own queueing: on a small model the difference is within the noise of two medians
         fetch.append({"slots": slots, "us": max(spent, copy_us)})
 
-    # one prefill call of every expert, none cached, through caches of 2k and k slots: the same E misses in groups
-    # of half of each cache. A group costs the difference over the difference in groups, what each expert costs
-    # (its fetch, its pair rows) cancelling; one call less a hit call and E decode-time fetches leaves that in (on
-    # an H100 it read 1.0 ms a group where the bench's host sections showed 0.74)
+    # one prefill call of every expert, none cached, through caches of 4k and k slots: the same E misses in groups
+    # of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for any k). A group costs the
+    # difference over the difference in groups, what each expert costs (its fetch, its pair rows) cancelling; one
+    # call less a hit call and E decode-time fetches leaves that in (on an H100 it read 1.0 ms a group where the
+    # bench's host sections showed 0.74)
     prefill = []
-    for slots in (2 * k, k):
+    for slots in (4 * k, k):
         with torch.no_grad(), engine(slots) as e:
             times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
             prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
     (few_us, few), (many_us, many) = prefill
-    if many > few:
-        group = (many_us - few_us) / (many - few)
-    else:  # top-1: both caches fetch an expert a group
-        group = (few_us - hit_us["prefill", len(every)][0] - E * fetch[0]["us"]) / max(few - 1, 1)
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
-    return {"call": rows, "fetch": fetch, "group": max(group, 0.0),
+    return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0),
             "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"]), modules, model, s,
                                        device)}
 

@@ -104,7 +104,7 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
         notes.append("this profile (version 2) timed one expert dequantized eagerly, launches included, not the "
                      "engine's graphed passes: quantized stores' dequantization, and so their TTFT, are overstated; "
                      "measure the device again with duoserve-run profile")
-    waiting = [name for name in s.policies if not (get_policy(name).predict or get_policy(name).prefetch_layer)]
+    waiting = [p.name for p in map(get_policy, s.policies) if not (p.predict or p.prefetch_layer)]
     if version < 4 and waiting:
         notes.append(f"this profile (version {version}) has no routing_us: a layer call's whole host time is charged "
                      "before its fetches, where the engine queues them first and spends the rest while they copy, "

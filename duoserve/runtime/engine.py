@@ -25,7 +25,7 @@ from duoserve.predictor.model import ExpertPredictor
 from duoserve.runtime.experts import Routing, SlotCompute, SlotView, graphs_supported, slot_experts, slot_windows
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import Policy
-from duoserve.runtime.scheduler import ExpertScheduler
+from duoserve.runtime.scheduler import ROUTING_SECTION, ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import HostPredictor, LayerPredictor, RoutingSource
 from duoserve.runtime.store import HostExperts
@@ -105,7 +105,7 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         if self._host_views is None:
             return ExpertScheduler.run_layer(self, l, hidden, idx, weights)
-        with self.timers.cpu("wait for routing"):
+        with self.timers.cpu(ROUTING_SECTION):
             routing = Routing(idx, self.E)
         return self._host_layer(l, hidden, weights, routing)
 

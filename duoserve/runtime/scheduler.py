@@ -44,6 +44,9 @@ from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import EngineTimers, Streams
 
 
+ROUTING_SECTION = "wait for routing"  # the host section of a layer call before it queues any fetch (profiles time it)
+
+
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1) -> int:
     """Cache slots when no budget is given: k for the layer computing plus k for each layer looked ahead;
     k for policies that keep nothing; two whole layers for full-layer prefetch."""
@@ -127,7 +130,7 @@ class ExpertScheduler:
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
         cpu, cache, plan = self.timers.cpu, self.cache, self.prefetch
-        with cpu("wait for routing"):
+        with cpu(ROUTING_SECTION):
             routing = Routing(idx, self.E)
         targets = plan.targets(l) if plan is not None and self.phase == "decode" and plan.history is not None \
             and plan.history.shape[0] == idx.shape[0] else []
