@@ -7,6 +7,8 @@ the measured ones. Needs no GPU.
     python benchmarks/simulate_validation.py --out benchmarks/results/simulate_validation_h200.json
     python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
 
+Each row carries the host's pace (``host_op_us``, microseconds per small op) during its runs and during its
+profile, where the profile recorded it: host-bound rows move with it.
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
 """
@@ -54,6 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     p = parser(__doc__, geometry=None)
     p.add_argument("--results", type=Path, default=RESULTS, help="where the bench files are")
     p.add_argument("--machine", default="h200", choices=("h200", "h100"), help="which GPU's benches and profiles")
+    p.add_argument("--profiles", type=Path, default=None,
+                   help="a folder of {machine}-{shape}.json profiles to use instead of the shipped ones")
     args = p.parse_args(argv)
     rows, skipped = [], []
     for bench_name, (spec, trace) in BENCHES.items():
@@ -63,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"skipping {name}: not found", file=sys.stderr)
             continue
         bench = json.loads(path.read_text())
-        profile = resolve_profile(profile_name)
+        profile = resolve_profile(args.profiles / f"{profile_name}.json" if args.profiles else profile_name)
         layers = bench["geometry"]["moe_layers"] if bench["config_only"] else None
         shape = ModelShape.of(spec, layers, bench["dtype"].removeprefix("torch."))
         try:  # a profile applies to the dtype it was measured in
@@ -83,27 +87,36 @@ def main(argv: list[str] | None = None) -> dict:
                         "tpot_ms": statistics.median(x["tpot_ms"] for x in runs)}
             sim = {"ttft_ms": simulated["ttft_ms"]["mean"], "tpot_ms": simulated["tpot_ms"]["mean"]}
             ratio = {key: sim[key] / measured[key] for key in measured}
+            pace = {"runs": statistics.median(x["host_op_us"] for x in runs),
+                    "profile": profile.get("host_op_us", {}).get("median")}  # profiles before the gauge lack it
             rows.append({"bench": name, "rounds": len(runs), "policy": r["policy"], "predictor": r["predictor"],
                          "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
-                         "simulated": sim, "ratio": ratio,
+                         "simulated": sim, "ratio": ratio, "host_op_us": pace,
                          "within": all(abs(v - 1) <= TOLERANCE for v in ratio.values()),
                          "bytes_h2d": {"measured": r["bytes_h2d"], "simulated": simulated["bytes_h2d"]},
                          "hit_rate": {"measured": r["hit_rate"], "simulated": simulated["hit_rate"]}})
     table = Table(title=f"simulated / measured on the {args.machine.upper()} (within {TOLERANCE:.0%})")
-    for col in ("bench", "policy", "predictor", "B", "TTFT ms", "sim", "ratio", "TPOT ms", "sim", "ratio", "ok"):
+    for col in ("bench", "policy", "predictor", "B", "TTFT ms", "sim", "ratio", "TPOT ms", "sim", "ratio", "ok",
+                "host us/op run/prof."):
         table.add_column(col)
     for row in rows:
         m, s, q = row["measured"], row["simulated"], row["ratio"]
         name = row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json")
         table.add_row(name, row["policy"], str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
                       f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
-                      f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no")
+                      f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no", _pace(row["host_op_us"]))
     Console().print(table)
     held = sum(row["within"] for row in rows)
     print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}")
     result = {"machine": args.machine, "tolerance": TOLERANCE, "rows": rows, "held": held, "skipped": skipped}
     write_result(args.out, result)
     return result
+
+
+def _pace(pace: dict) -> str:
+    """The host's pace during a point's runs and during its profile: a row off by a host that drifted shows it."""
+    profile = "-" if pace["profile"] is None else f"{pace['profile']:.1f}"
+    return f"{pace['runs']:.1f}/{profile}"
 
 
 if __name__ == "__main__":

@@ -1120,6 +1120,8 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert profile["module_copy_ms"] > 0 and profile["group_host_us"] >= 0
     assert [r["slots"] for r in profile["fetch_host_us"]] == [2 * k] and profile["fetch_host_us"][0]["us"] >= profile["copy_host_us"]
     assert [r["batch"] for r in profile["predictor_ms"]] == [1, 2]
+    pace = profile["host_op_us"]  # the host's pace while profiling, the gauge each bench run records beside its own
+    assert 0 < pace["min"] <= pace["median"] <= pace["max"]
     # on the CPU wall and host time are one clock read twice: both measured, their ratio only noise (it failed under
     # load at 0.5x); on a GPU the wall includes the device's wait
     assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in profile["predictor_ms"])

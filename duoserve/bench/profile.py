@@ -43,6 +43,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 decoder layers; the wall time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
+Not required (files without it are read): ``host_op_us``, the host's pace while it was measured, in microseconds
+per small tensor op (the bench's own gauge, ``harness.host_op_us``, sampled before each section): the median,
+least and most. A bench run records the same gauge, so a validation can tell a model error from a host that
+drifted between the profile and the run.
 """
 
 from __future__ import annotations
@@ -58,7 +62,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.drivers import random_ids
-from duoserve.bench.harness import copy_bandwidth, device_name, sync
+from duoserve.bench.harness import copy_bandwidth, device_name, host_op_us, sync
 from duoserve.bench.shapes import random_predictor
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
@@ -362,20 +366,25 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     store = HostExperts.pack(params, pin=device.type == "cuda")
     nbytes = store.layout.nbytes
     H = model.config.get_text_config().hidden_size
+    pace: list[float] = []  # the host's us per op, sampled before each section
 
-    say("copy bandwidth by size")
+    def section(text: str) -> None:
+        pace.append(host_op_us(device))
+        say(text)
+
+    section("copy bandwidth by size")
     sizes = sorted({int(mb * MB) for mb in s.copy_mb} | {nbytes})
     copy = [{"bytes": n, **copy_bandwidth(device, n)} for n in sizes]
-    say("host cost of queueing a copy")
+    section("host cost of queueing a copy")
     host_us = _copy_host_us(store, device)
-    say("a predictor's decode call")
+    section("a predictor's decode call")
     predictor_ms = _predictor_ms(full.num_layers, full.num_experts, full.top_k, s, device)
 
-    say("the engine's expert compute by tokens")
+    section("the engine's expert compute by tokens")
     with torch.no_grad():
         expert_ms = _expert_ms(layers[0], store, s, full.top_k, device, H)
 
-    say("dequantizing experts as the engine does")
+    section("dequantizing experts as the engine does")
     dequant_ms = {fmt: _dequant_ms(make_store({n: p.to(device) for n, p in params.items()}, fmt, pin=False),
                                    device, s.repeats) for fmt in ("fp8", "int4")}
 
@@ -393,8 +402,9 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
         step_ms.append({"batch": one["batch"], "context": one["context"],
                         **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
 
-    say("host cost of the engine's calls")
+    section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)
+    pace.append(host_op_us(device))
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "step_graphs": s.step_graphs and device.type == "cuda",
@@ -403,7 +413,8 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
             "copy": copy, "copy_host_us": host_us, "module_copy_ms": engine_us["module"], "expert_ms": expert_ms,
             "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
             "group_host_us": engine_us["group"], "predictor_ms": predictor_ms,
-            "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms}
+            "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms,
+            "host_op_us": {"median": statistics.median(pace), "min": min(pace), "max": max(pace)}}
 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
