@@ -169,6 +169,21 @@ def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):
     assert batched["bytes_h2d"] == {"prefill": 2 * k * L * nbytes, "decode": 2 * k * L * nbytes}
 
 
+def test_a_trained_predictor_costs_the_engines_whole_launch_where_the_profile_timed_it(trained):
+    """The profile's ``launch_host_ms`` (the engine's history write, call and copies back) stands for the bare call's
+    host time: charged once for each layer the decode step predicts, on the host's critical path."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = cpu_profile(shape)
+    extra = 5.0  # ms: far above every other cost, so none of it hides behind the device
+    launched = {**profile, "predictor_ms": [{**row, "launch_host_ms": row["host_ms"] + extra}
+                                            for row in profile["predictor_ms"]]}
+    tpot = {name: run(Simulator(shape, Costs(p), POLICIES["duoserve"], str(trained)),
+                      ((0, x) for x in random_passes(shape, 1, 16, 8)))["tpot_ms"]["mean"]
+            for name, p in (("bare", profile), ("launch", launched))}
+    predicted_layers = shape.num_layers - 1  # look-ahead 1: layers 1 .. L-1, each predicted once a step
+    assert tpot["launch"] - tpot["bare"] == pytest.approx(predicted_layers * extra, rel=0.05)
+
+
 def test_simulated_times_follow_the_profile(embedded):
     shape = ModelShape.of("embedded", dtype="float32")
     profile = cpu_profile(shape)
@@ -286,6 +301,23 @@ def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
     routing = [key for key, said in notes.items() if any("no routing_us" in note and "lru" in note for note in said)]
     assert routing == [(v, "lru", fmt) for v in (2, 3) for fmt in ("model", "fp8")]
     assert notes[4, "lru", "fp8"] == notes[3, "duoserve", "fp8"] == []
+
+
+def test_a_simulation_of_a_trained_predictor_says_when_the_profile_timed_only_its_bare_call(tmp_path, trained):
+    from duoserve.bench.whatif import SimulateSettings, simulate
+
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = {**cpu_profile(shape), "profile_version": 4}
+    said = {}
+    for name, rows in (("bare", profile["predictor_ms"]),
+                       ("launch", [{**row, "launch_host_ms": 0.2} for row in profile["predictor_ms"]])):
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({**profile, "predictor_ms": rows}))
+        for predictor in ("oracle", str(trained)):
+            s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=["duoserve"],
+                                 predictors=[predictor], requests=1, prompt_len=4, new_tokens=2)
+            said[name, predictor == "oracle"] = any("bare call" in note for note in simulate(s)["notes"])
+    assert said == {("bare", False): True, ("bare", True): False, ("launch", False): False, ("launch", True): False}
 
 
 def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the_charts(

@@ -80,7 +80,8 @@ class Costs:
         self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
                             for r in profile["fetch_host_us"]]
         self.group_host_ms = profile["group_host_us"] / 1e3
-        self._predictor = [(r["batch"], (r["host_ms"], max(r["wall_ms"] - r["host_ms"], 0.0)))
+        # the engine's whole launch where the profile timed it, else the bare call; the device's part from the latter
+        self._predictor = [(r["batch"], (r.get("launch_host_ms", r["host_ms"]), max(r["wall_ms"] - r["host_ms"], 0.0)))
                            for r in profile["predictor_ms"]]
 
     def copy_ms(self, nbytes: int, pinned: bool = True) -> float:

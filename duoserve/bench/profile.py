@@ -29,7 +29,11 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 difference in host time over the difference in groups (version 3 and before: one such call
                 less a hit call and E fetches, which left a per-expert part in it)
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
-                by batch size: its host time, and its wall time with the device waited for
+                by batch size: its host time, and its wall time with the device waited for; and, not required
+                (files without it are read, the call's own host time then standing for it), ``launch_host_ms``:
+                the host time of the engine's whole decode-time launch of it (the routing written into its
+                history, the call, its ids and scores copied back), timed inside real generations of a
+                ``duoserve`` engine with a random predictor: several times the bare call's
   dequant_ms    device time per expert of the engine's dequantization, by stored expert dtype: a pass of its
                 staging chunk (``quant.stage_chunk`` experts, replayed from a CUDA graph on a GPU) and the copy
                 of the rows into cache slots, divided by the chunk (profiles made before this measured one
@@ -221,13 +225,22 @@ def _routing_ms(engine: OffloadEngine) -> float:
     return engine.timers.cpu.ms.get(ROUTING_SECTION, 0.0)
 
 
-def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device) -> list[tuple]:
+def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device,
+                 launches: list[float] | None = None) -> list[tuple]:
     """(phase, tokens, host µs, experts fetched, routing µs) of each of ``engine``'s layer calls in a real generation
     of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass
     leaves them, the device waited for before each call, so what is timed is the call's own host work, not a wait
-    for its router."""
+    for its router. ``launches``: where to add the host µs of each of its decode prefetch's predictor launches."""
     calls = []
     run = engine.run_layer
+    launch = engine.prefetch.launch if launches is not None else None
+
+    def timed_launch(*args):
+        start = time.perf_counter()
+        out = launch(*args)
+        if out is not None:  # a layer with no target launches nothing
+            launches.append((time.perf_counter() - start) * 1e6)
+        return out
 
     def timed(l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         sync(device)
@@ -243,10 +256,14 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
     with engine:
         timed_generate(model, ids, torch.ones_like(ids), 2, fixed_length=True)  # warm-up: CUDA graphs captured
         engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
+        if launch is not None:
+            engine.prefetch.launch = timed_launch
         try:
             timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True)
         finally:
             del engine.run_layer
+            if launch is not None:
+                del engine.prefetch.launch
     return calls
 
 
@@ -255,7 +272,9 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
     inside real generations (``_timed_calls``); ``fetch``: what each expert fetched on a miss adds, by cache size (a
     scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``group``: what each compute
-    group beyond a call's first adds (the prefill schedule's groups); ``module``: the milliseconds of one expert
+    group beyond a call's first adds (the prefill schedule's groups); ``launch``: the decode prefetch's predictor
+    launch by batch (a ``duoserve`` engine with a random predictor, inside real generations); ``module``: the
+    milliseconds of one expert
     fetched per module (``_module_fetch_ms``, from these experts in the per-module policies' pageable stores)."""
     layers = find_moe_layers(model)
     stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
@@ -300,6 +319,14 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
             in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
 
+    launch_us = {}  # the engine's decode-time predictor launch, by batch
+    with torch.no_grad():
+        predicted = OffloadEngine(model, stores, POLICIES["duoserve"], random_predictor(L, E, k))
+        for B in s.batch_sizes:
+            launches: list[float] = []
+            _timed_calls(predicted, model, s, B, device, launches)
+            launch_us[B] = statistics.median(launches)
+
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
         with torch.no_grad():
@@ -321,7 +348,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
             prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
     (few_us, few), (many_us, many) = prefill
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
-    return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0),
+    return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0), "launch": launch_us,
             "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"]), modules, model, s,
                                        device)}
 
@@ -404,6 +431,8 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
 
     section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)
+    for row in predictor_ms:
+        row["launch_host_ms"] = engine_us["launch"][row["batch"]] / 1e3
     pace.append(host_op_us(device))
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,

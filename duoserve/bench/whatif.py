@@ -111,6 +111,11 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
                      f"so {', '.join(waiting)}, which wait for every miss, come out slow where the host is the bound "
                      "(up to 1.27x the engine's decode on an H100); measure the device again with duoserve-run "
                      "profile")
+    trained = [q for q in s.predictors if q != "none" and not q.startswith("oracle")]
+    if trained and any("launch_host_ms" not in row for row in profile["predictor_ms"]):
+        notes.append("this profile timed the predictor's bare call, not the engine's launch around it (its history "
+                     "written, its ids and scores copied back): a trained predictor's time per token is understated "
+                     "where the host is the bound; measure the device again with duoserve-run profile")
     return notes
 
 
