@@ -383,3 +383,42 @@ def test_accuracy_report_ranks_scorers_by_what_they_buy(tmp_path, embedded_trace
     assert rows["oracle"]["decode_bytes"] < rows["popularity"]["decode_bytes"]  # a wrong guess costs a copy
     times = [r["tpot_p50_ms"] for r in buys["rows"]]
     assert times == sorted(times)  # ranked by latency
+
+
+def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_path, embedded_trace, monkeypatch):
+    """benchmarks/simulate_validation.py on a real CPU bench of the embedded model replaying its trace and a real CPU
+    profile in a folder of its own (``--profiles``): a row per policy and batch, the replayed routing's bytes equal
+    to the bench's, the measured figures the rounds' medians, the host's pace during both beside them."""
+    from typer.testing import CliRunner
+
+    from duoserve.cli.run import app as run_app
+    from tests.conftest import load_benchmark
+
+    monkeypatch.chdir(tmp_path)  # the script finds the embedded bench's trace at out/traces, as simulate_h200.sh
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "traces").symlink_to(embedded_trace.path)
+    results, profiles = tmp_path / "results", tmp_path / "profiles"
+    runner = CliRunner()
+    bench = ["bench", "--model", "embedded", "--routing", "out/traces", "--policy", "on-demand", "--policy", "lru",
+             "--batch-size", "1", "--batch-size", "2", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "2",
+             "--out", str(results / "simulate_bench_embedded_h100.json")]
+    profile = ["profile", "--model", "embedded", "--layers", "2", "--batch-size", "1", "--batch-size", "2",
+               "--context", "8", "--tokens", "1", "--tokens", "16", "--out", str(profiles / "h100-embedded.json")]
+    for args in (bench, profile):
+        result = runner.invoke(run_app, args)
+        assert result.exit_code == 0, result.output
+    measured = json.loads((results / "simulate_bench_embedded_h100.json").read_text())["runs"]
+    pace = json.loads((profiles / "h100-embedded.json").read_text())["host_op_us"]["median"]
+    out = load_benchmark("simulate_validation").main(["--machine", "h100", "--results", str(results), "--profiles",
+                                                      str(profiles), "--out", str(tmp_path / "validation.json")])
+    rows = {(r["policy"], r["batch_size"]): r for r in out["rows"]}
+    assert set(rows) == {(p, B) for p in ("on-demand", "lru") for B in (1, 2)}
+    for (policy, batch), row in rows.items():
+        runs = [r for r in measured if (r["policy"], r["batch_size"]) == (policy, batch)]
+        assert row["rounds"] == len(runs) == 2
+        assert row["measured"]["tpot_ms"] == pytest.approx(np.median([r["tpot_ms"] for r in runs]))
+        assert row["ratio"]["ttft_ms"] == pytest.approx(row["simulated"]["ttft_ms"] / row["measured"]["ttft_ms"])
+        assert row["bytes_h2d"]["simulated"] == row["bytes_h2d"]["measured"]  # the same rows replayed, the same copies
+        assert row["host_op_us"] == {"runs": pytest.approx(np.median([r["host_op_us"] for r in runs])),
+                                     "profile": pace}
+    assert out["held"] == sum(r["within"] for r in out["rows"])

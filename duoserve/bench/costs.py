@@ -55,7 +55,8 @@ class Costs:
                      "fetch_host_ms"):
             setattr(self, name, functools.cache(getattr(self, name)))
         self.expert_bytes = profile["geometry"]["expert_bytes"]
-        self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"]) for c in profile["copy"]]
+        # a CPU's profile has no pinned copies (the engine's copies there are the host's memcpy): pageable stands in
+        self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"] or c["pageable_gbps"]) for c in profile["copy"]]
                       for kind in ("pinned", "pageable")}
         self.copy_host_ms = profile["copy_host_us"] / 1e3
         self.dequant_ms = profile["dequant_ms"]
