@@ -274,8 +274,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``group``: what each compute
     group beyond a call's first adds (the prefill schedule's groups); ``launch``: the decode prefetch's predictor
     launch by batch (a ``duoserve`` engine with a random predictor, inside real generations); ``module``: the
-    milliseconds of one expert
-    fetched per module (``_module_fetch_ms``, from these experts in the per-module policies' pageable stores)."""
+    milliseconds of one expert fetched per module (``_module_fetch_ms``, from these experts in the per-module
+    policies' pageable stores)."""
     layers = find_moe_layers(model)
     stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
     model.to(device)
@@ -325,7 +325,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         for B in s.batch_sizes:
             launches: list[float] = []
             _timed_calls(predicted, model, s, B, device, launches)
-            launch_us[B] = statistics.median(launches)
+            if launches:  # none where one MoE layer was built: nothing to predict
+                launch_us[B] = statistics.median(launches)
 
     fetch = []
     for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
@@ -432,7 +433,8 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)
     for row in predictor_ms:
-        row["launch_host_ms"] = engine_us["launch"][row["batch"]] / 1e3
+        if row["batch"] in engine_us["launch"]:
+            row["launch_host_ms"] = engine_us["launch"][row["batch"]] / 1e3
     pace.append(host_op_us(device))
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,

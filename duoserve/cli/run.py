@@ -220,6 +220,11 @@ def profile_cmd(
     console.print(rest)
     console.print(f"copy queued in {result['copy_host_us']:.1f} us of host time; dequantizing one expert: "
                   + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items()))
+    first = result["predictor_ms"][0]
+    launch = f", the engine's launch of it {first['launch_host_ms']:.3f} ms" if "launch_host_ms" in first else ""
+    pace = result["host_op_us"]
+    console.print(f"a predictor call at B={first['batch']}: host {first['host_ms']:.3f} ms{launch}; the host's pace "
+                  f"{pace['median']:.1f} us an op ({pace['min']:.1f}-{pace['max']:.1f})")
     console.print(f"profile: {out}")
 
 
