@@ -6,8 +6,12 @@
 #                -> duoserve/bench/profiles/h200-{qwen3-30b-a3b,embedded}.json (shipped with the package)
 #   qwen         the engine on Qwen3-30B-A3B (16 of its 48 layers, random bf16 weights, uniform random routing):
 #                duoserve with oracle:0, 0.5, 0.9 and 1, on-demand, lru, full-layer and per-module at the default
-#                cache; B = 1 and 8, prompt 512, 32 new tokens
+#                cache; B = 1 and 8, prompt 512, 32 new tokens (about 8 minutes)
 #                -> benchmarks/results/simulate_bench_qwen3-30b-a3b_h200.json
+#   qwen-waiting, qwen-recall  the two halves of qwen, each about 4 minutes, so that one device call holds the
+#                profiles and a half: on-demand, lru, per-module and duoserve oracle:1; duoserve oracle:0, 0.5 and
+#                0.9 and full-layer (same file name: run each half with its own OUT and PROFILES, then validate
+#                each folder with simulate_validation.py --results DIR --profiles DIR)
 #   qwen-budget  duoserve (oracle:0.9) and lru at a 2 GB cache, the same shape and sizes
 #                -> benchmarks/results/simulate_bench_qwen3-30b-a3b_2gb_h200.json
 #   embedded     the embedded model on its own trace replayed with the predictor trained on it (make demo's
@@ -18,7 +22,8 @@
 #                simulator puts 20% under the engine -> benchmarks/results/slot_compute_probe_h200.json
 # Rounds: 3 of every Qwen configuration and 5 of the embedded one, interleaved (the bench's --repeats; the host's
 # speed drifts from run to run on a shared machine, by 10-40% in its per-op cost; the validation takes each
-# point's median). Profiles and benches belong on one machine instance: host costs differ between instances.
+# point's median). Profiles and benches belong on one machine instance: host costs differ between instances, and
+# a machine may be replaced between device calls, so put the profiles in every call (PART="profiles qwen-waiting").
 # Then, on any machine: python benchmarks/simulate_validation.py (simulated against measured, the 10% table).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail
@@ -43,6 +48,14 @@ if want qwen; then
     run bench "${qwen[@]}" --policy duoserve --policy on-demand --policy lru --policy full-layer --policy per-module \
         --predictor oracle:0 --predictor oracle:0.5 --predictor oracle:0.9 --predictor oracle:1 \
         --out "$OUT/simulate_bench_qwen3-30b-a3b_h200.json"
+fi
+if want qwen-waiting; then
+    run bench "${qwen[@]}" --policy on-demand --policy lru --policy duoserve --policy per-module --predictor oracle:1 \
+        --out "$OUT/simulate_bench_qwen3-30b-a3b_h200.json"
+fi
+if want qwen-recall; then
+    run bench "${qwen[@]}" --policy duoserve --policy full-layer --predictor oracle:0 --predictor oracle:0.5 \
+        --predictor oracle:0.9 --out "$OUT/simulate_bench_qwen3-30b-a3b_h200.json"
 fi
 if want qwen-budget; then
     run bench "${qwen[@]}" --policy duoserve --policy lru --predictor oracle:0.9 --gpu-expert-budget 2GB \
