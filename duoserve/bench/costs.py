@@ -70,6 +70,7 @@ class Costs:
         # a group of g experts with T tokens each: base + g * per_expert(T)
         self._per_expert = [(t, max((_interp(many, t) - _interp(one, t)) / (gk - g1), 0.0)) for t in tokens]
         self._base = max(_interp(one, tokens[0]) - g1 * self._per_expert[0][1], 0.0)
+
         def by_phase(key: str) -> dict[str, list[tuple[int, float]]]:
             # a profile before version 4 has no routing_us: the whole call then comes before its fetches
             return {phase: [(r["tokens"], r.get(key, r["us"]) / 1e3) for r in profile["call_host_us"]

@@ -103,6 +103,11 @@ class ReplayRouting:
         return self._ids[layer]
 
 
+def is_artifact(spec: str) -> bool:
+    """Whether a predictor spec names a trained artifact (a path), not ``none`` or an oracle."""
+    return spec != "none" and not spec.startswith("oracle")
+
+
 def oracle_recall(spec: str) -> float:
     """The recall of an 'oracle' or 'oracle:RECALL' predictor spec; refuses anything else."""
     name, _, recall = spec.partition(":")

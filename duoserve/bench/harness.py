@@ -22,6 +22,7 @@ from duoserve.bench.drivers import (
     OraclePredictor,
     RandomRouting,
     ReplayRouting,
+    is_artifact,
     oracle_recall,
 )
 from duoserve.bench.targets import GB, add_bounds, check_targets
@@ -168,7 +169,7 @@ def _load_predictors(specs: list[str], routing: str) -> dict[str, ExpertPredicto
         oracle_recall(spec)
     if routing == "router" and any(spec.startswith("oracle") for spec in specs):
         raise ValueError("an oracle predictor needs --routing random or a trace (it must know the routing)")
-    return {spec: load_predictor(spec) for spec in specs if spec != "none" and not spec.startswith("oracle")}
+    return {spec: load_predictor(spec) for spec in specs if is_artifact(spec)}
 
 
 def _predictor(spec: str, routing, L: int, E: int, device: torch.device, loaded: dict[str, ExpertPredictor]):

@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from duoserve.bench.drivers import RandomRouting
+from duoserve.bench.drivers import RandomRouting, is_artifact
 from duoserve.bench.costs import Costs, resolve_profile
 from duoserve.bench.simulate import ModelShape, Simulator, generation_passes, run, trace_passes, trace_requests
 from duoserve.files import atomic_path
@@ -111,8 +111,7 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
                      f"so {', '.join(waiting)}, which wait for every miss, come out slow where the host is the bound "
                      "(up to 1.27x the engine's decode on an H100); measure the device again with duoserve-run "
                      "profile")
-    trained = [q for q in s.predictors if q != "none" and not q.startswith("oracle")]
-    if trained and any("launch_host_ms" not in row for row in profile["predictor_ms"]):
+    if any(map(is_artifact, s.predictors)) and any("launch_host_ms" not in row for row in profile["predictor_ms"]):
         notes.append("this profile timed the predictor's bare call, not the engine's launch around it (its history "
                      "written, its ids and scores copied back): a trained predictor's time per token is understated "
                      "where the host is the bound; measure the device again with duoserve-run profile")
@@ -158,7 +157,7 @@ def _sweeps(study: Study) -> dict[str, list[tuple[tuple[str, str, int], dict]]]:
     B = s.batch_sizes[0]
     policies = [p for p in s.policies if get_policy(p).pinned]
     accuracy = [(("duoserve", f"oracle:{p}", B), {}) for p in ORACLE_CURVE]
-    accuracy += [(("duoserve", q, B), {}) for q in s.predictors if q != "none" and not q.startswith("oracle")]
+    accuracy += [(("duoserve", q, B), {}) for q in s.predictors if is_artifact(q)]
     accuracy += [((p, "none", B), {}) for p in policies if not get_policy(p).predict]
     nbytes = shape.layout.nbytes
     slots = sorted({m * shape.top_k for m in (2, 4, 8, 16, 32)} | {shape.num_experts, shape.num_layers *
