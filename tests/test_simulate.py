@@ -203,6 +203,30 @@ def test_simulated_times_follow_the_profile(embedded):
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
 
 
+def test_a_host_of_another_pace_scales_every_host_cost_and_no_device_cost(embedded):
+    """``host_op_us``: a host twice as slow per op as the profile's doubles each host-side cost (copies queued,
+    calls, groups, the predictor's launch, the layers' launching) and leaves the device's (bandwidth, kernels); a
+    host-bound simulation slows with it, its copies unchanged; a profile that never recorded its pace refuses."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = {**cpu_profile(shape), "host_op_us": {"median": 10.0, "min": 9.0, "max": 12.0}}
+    same, slow = Costs(profile), Costs(profile, 20.0)
+    assert Costs(profile, 10.0).host_scale == same.host_scale == 1.0 and slow.host_scale == 2.0
+    for host in (lambda c: c.copy_host_ms, lambda c: c.group_host_ms, lambda c: c.call_host_ms("decode", 4),
+                 lambda c: c.routing_host_ms("prefill", 64), lambda c: c.fetch_host_ms(64),
+                 lambda c: c.predictor_ms(1)[0], lambda c: c.pass_ms("layer_ms", "decode", 1, 16)[0]):
+        assert host(slow) == pytest.approx(2 * host(same)) and host(same) > 0
+    for device in (lambda c: c.copy_ms(1 << 20), lambda c: c.group_ms([1, 4]), lambda c: c.predictor_ms(8)[1],
+                   lambda c: c.pass_ms("step_ms", "prefill", 8, 512)[1]):
+        assert device(slow) == device(same) > 0
+    results = {name: run(Simulator(shape, costs, POLICIES["on-demand"]),
+                         ((0, p) for p in random_passes(shape, 1, 16, 8))) for name, costs in (("same", same),
+                                                                                              ("slow", slow))}
+    assert results["slow"]["tpot_ms"]["mean"] > 1.5 * results["same"]["tpot_ms"]["mean"]  # made-up costs: host-bound
+    assert results["slow"]["bytes_h2d"] == results["same"]["bytes_h2d"]
+    with pytest.raises(ValueError, match="did not record its host's pace"):
+        Costs(cpu_profile(shape), 20.0)
+
+
 def test_a_calls_host_time_after_its_routing_read_overlaps_its_misses_copies(embedded):
     """The engine queues a call's fetches right after reading its routing, then spends the rest of its host time
     (rows, launches) while they copy: a profile that says so (version 4's routing_us) times on-demand's decode,
@@ -356,8 +380,8 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     assert budgets[0]["peak_expert_bytes"] < budgets[-1]["peak_expert_bytes"]
     assert sum(budgets[-1]["bytes_h2d"].values()) <= sum(budgets[0]["bytes_h2d"].values())
     assert "simulated" in result.output and "simulate.json" in result.output  # the summary table, the files
-    # the shipped H200 profile timed its layers eagerly: the table says which engine it simulates
-    assert saved["step_graphs"] is False and "eager (--no-step-graphs)" in " ".join(result.output.split())
+    # the shipped H200 profile timed its layers step-graphed: the table says which engine it simulates
+    assert saved["step_graphs"] is True and "decode layers step-graphed" in " ".join(result.output.split())
     points = len(saved["rows"]) + sum(map(len, saved["sweeps"].values()))
     configs = {(r["policy"], r["predictor"], r["batch_size"], r["gpu_expert_budget"], r["lookahead"])
                for r in saved["rows"] + [r for sweep in saved["sweeps"].values() for r in sweep]}
@@ -421,4 +445,9 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
         assert row["bytes_h2d"]["simulated"] == row["bytes_h2d"]["measured"]  # the same rows replayed, the same copies
         assert row["host_op_us"] == {"runs": pytest.approx(np.median([r["host_op_us"] for r in runs])),
                                      "profile": pace}
+        # simulated at the runs' pace, and at the profile's beside it: a CPU's steps are host time
+        scale = row["host_op_us"]["runs"] / pace
+        assert row["paced"] and row["simulated"]["tpot_ms"] != row["unpaced"]["simulated"]["tpot_ms"]
+        assert (row["simulated"]["tpot_ms"] > row["unpaced"]["simulated"]["tpot_ms"]) == (scale > 1)
     assert out["held"] == sum(r["within"] for r in out["rows"])
+    assert out["held_unpaced"] == sum(r["unpaced"]["within"] for r in out["rows"])

@@ -30,6 +30,18 @@ def resolve_profile(spec: str | Path) -> dict:
     return load_profile(path)
 
 
+def host_scale(profile: dict, host_op_us: float | None) -> float:
+    """How much slower than the profile's host a host of pace ``host_op_us`` is (1 where none is given)."""
+    if host_op_us is None:
+        return 1.0
+    if host_op_us <= 0:
+        raise ValueError(f"a host's pace is a positive number of microseconds per op, not {host_op_us}")
+    if not profile.get("host_op_us"):
+        raise ValueError("this profile did not record its host's pace (host_op_us), so it cannot be rescaled to "
+                         "another: measure a new one with duoserve-run profile, or leave the pace out")
+    return host_op_us / profile["host_op_us"]["median"]
+
+
 def _interp(points: list[tuple[float, float]], x: float) -> float:
     """Piecewise-linear through ``points`` (x, y), extended linearly past either end, never below 0."""
     points = sorted(points)
@@ -47,10 +59,16 @@ def _interp(points: list[tuple[float, float]], x: float) -> float:
 
 class Costs:
     """A device profile's costs in milliseconds, interpolated between what it measured (each look-up memoised: a
-    simulation asks the same few questions millions of times)."""
+    simulation asks the same few questions millions of times).
 
-    def __init__(self, profile: dict):
+    ``host_op_us`` simulates a host of that pace (microseconds per small op, the bench's gauge) rather than the
+    profile's own: every host-side cost scales by its ratio to the pace the profile recorded, the device's costs
+    stay. The same host drifts by tens of percent between runs, and a host-bound step moves with it."""
+
+    def __init__(self, profile: dict, host_op_us: float | None = None):
         self.profile = profile
+        self.host_scale = host_scale(profile, host_op_us)
+        h = self.host_scale
         for name in ("copy_ms", "per_expert_ms", "call_host_ms", "routing_host_ms", "pass_ms", "predictor_ms",
                      "fetch_host_ms"):
             setattr(self, name, functools.cache(getattr(self, name)))
@@ -58,7 +76,7 @@ class Costs:
         # a CPU's profile has no pinned copies (the engine's copies there are the host's memcpy): pageable stands in
         self._copy = {kind: [(math.log2(c["bytes"]), c[f"{kind}_gbps"] or c["pageable_gbps"]) for c in profile["copy"]]
                       for kind in ("pinned", "pageable")}
-        self.copy_host_ms = profile["copy_host_us"] / 1e3
+        self.copy_host_ms = profile["copy_host_us"] / 1e3 * h
         self.dequant_ms = profile["dequant_ms"]
         groups = {}
         for row in profile["expert_ms"]:
@@ -73,18 +91,18 @@ class Costs:
 
         def by_phase(key: str) -> dict[str, list[tuple[int, float]]]:
             # a profile before version 4 has no routing_us: the whole call then comes before its fetches
-            return {phase: [(r["tokens"], r.get(key, r["us"]) / 1e3) for r in profile["call_host_us"]
+            return {phase: [(r["tokens"], r.get(key, r["us"]) / 1e3 * h) for r in profile["call_host_us"]
                             if r["phase"] == phase] for phase in ("prefill", "decode")}
 
         self._call_host, self._routing_host = by_phase("us"), by_phase("routing_us")
         self._pass = {name: profile[name] for name in ("layer_ms", "step_ms")}
         self.module_copy_ms = profile["module_copy_ms"]
-        self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3)
+        self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3 * h)
                             for r in profile["fetch_host_us"]]
-        self.group_host_ms = profile["group_host_us"] / 1e3
+        self.group_host_ms = profile["group_host_us"] / 1e3 * h
         # the engine's whole launch where the profile timed it, else the bare call; the device's part from the latter
-        self._predictor = [(r["batch"], (r.get("launch_host_ms", r["host_ms"]), max(r["wall_ms"] - r["host_ms"], 0.0)))
-                           for r in profile["predictor_ms"]]
+        self._predictor = [(r["batch"], (r.get("launch_host_ms", r["host_ms"]) * h,
+                                         max(r["wall_ms"] - r["host_ms"], 0.0))) for r in profile["predictor_ms"]]
 
     def copy_ms(self, nbytes: int, pinned: bool = True) -> float:
         """One host-to-device copy of ``nbytes``: at the bandwidth measured for that size (clamped to the sizes
@@ -117,9 +135,9 @@ class Costs:
 
     def pass_ms(self, name: str, phase: str, batch: int, context: int) -> tuple[float, float]:
         """``layer_ms`` (per decoder layer) or ``step_ms`` (per pass) of ``phase`` at (B, C), wall and device: linear
-        in C within each measured B, then linear in B."""
-        return tuple(self._grid(self._pass[name], key, batch, context)
-                     for key in (f"{phase}_ms", f"{phase}_device_ms"))
+        in C within each measured B, then linear in B. The wall is the host's launching, so it takes the host's pace."""
+        wall, device = (self._grid(self._pass[name], f"{phase}{key}", batch, context) for key in ("_ms", "_device_ms"))
+        return wall * self.host_scale, device
 
     @staticmethod
     def _grid(rows: list[dict], key: str, batch: int, context: int) -> float:

@@ -43,6 +43,7 @@ class SimulateSettings:
     prompt_len: int = 512
     new_tokens: int = 32
     seed: int = 0
+    host_op_us: float | None = None  # simulate a host of this pace (us per small op) rather than the profile's
 
     def __post_init__(self):
         for name in self.policies:
@@ -61,7 +62,7 @@ class Study:
         self.profile = resolve_profile(s.profile)
         self.shape = ModelShape.of(s.model_shape, s.layers, s.dtype)
         self.shape.check(self.profile)
-        self.costs = Costs(self.profile)
+        self.costs = Costs(self.profile, s.host_op_us)
         self.requests = trace_requests(s.traces, self.shape, s.requests) if s.traces is not None else None
         self._done: dict[tuple, dict] = {}  # (policy, predictor, batch, settings) -> its simulation
 
@@ -141,7 +142,8 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
               # which engine the profile's layer costs describe: decode layers replayed from step graphs, or eager
               "step_graphs": bool(study.profile.get("step_graphs", False)),
               "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
-              "expert_dtype": s.expert_dtype, "notes": _notes(s, study.profile), "rows": rows}
+              "expert_dtype": s.expert_dtype, "host_scale": study.costs.host_scale, "notes": _notes(s, study.profile),
+              "rows": rows}
     if charts is not None:
         result["sweeps"] = {name: [measure(*point, **kw) for point, kw in points] for name, points in sweeps.items()}
         result["charts"] = draw_charts(result, charts)

@@ -177,6 +177,9 @@ def simulate(
         min=1, help="Only the trace's first N requests (random routing: N generations). [default: all; 4]")] = None,
     prompt_len: Annotated[int, typer.Option(min=1, help="Random routing: prompt tokens.")] = 512,
     new_tokens: Annotated[int, typer.Option(min=2, help="Random routing: tokens generated.")] = 32,
+    host_op_us: Annotated[Optional[float], typer.Option(
+        min=0.01, help="Simulate a host of this pace, microseconds per small op (duoserve-run profile prints its "
+                       "own): host-side costs scale from the profile's. [default: the profile's host]")] = None,
     charts: Annotated[bool, typer.Option(
         help="Also run the sweeps of the charts (accuracy, cache budget, look-ahead, batch) and draw them.")] = True,
     out: Annotated[Path, typer.Option(help="Folder: simulate.json and the charts (PNG).")] = Path("sim"),
@@ -195,14 +198,15 @@ def simulate(
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
                              gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
                              pin=pin_keys(pin), lookahead=lookahead, expert_dtype=expert_dtype, requests=requests,
-                             prompt_len=prompt_len, new_tokens=new_tokens)
+                             prompt_len=prompt_len, new_tokens=new_tokens, host_op_us=host_op_us)
         with progress("simulating") as update:
             result = run_simulation(s, out if charts else None,
                                     lambda done, total, what: update(completed=done, total=total, description=what))
         write_result(out / "simulate.json", result)  # with the commit, machine and command
     layers = "step-graphed" if result["step_graphs"] else "eager (--no-step-graphs)"
+    paced = f"; host at {host_op_us:g} us an op ({result['host_scale']:.2f}x the profile's)" if host_op_us else ""
     summary = table(f"{model_shape} ({result['layers']} MoE layers) on {result['device']}, simulated: "
-                    f"{result['routing']}; decode layers {layers}, as the profile measured them; TTFT and TPOT in "
+                    f"{result['routing']}; decode layers {layers}, as the profile measured them{paced}; TTFT and TPOT in "
                     "ms, P50/P95; GB moved, decode hit rate, stall ms, expert cache GB", "policy", "predictor", "B",
                     "TTFT", "TPOT", "GB", "hits", "stall", "cache")
     summary.show_edge = summary.pad_edge = False  # nine columns in an 80-column terminal
