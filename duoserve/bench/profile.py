@@ -50,7 +50,7 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
 Not required (files without it are read): ``host_op_us``, the host's pace while it was measured, in microseconds
 per small tensor op (the bench's own gauge, ``harness.host_op_us``, sampled before each section): the median,
 least and most. A bench run records the same gauge, so a validation can tell a model error from a host that
-drifted between the profile and the run.
+drifted between the profile and the run, and simulate the run at its own pace (``costs.Costs``' ``host_op_us``).
 """
 
 from __future__ import annotations
