@@ -57,6 +57,8 @@ CASES = [
              "--out {tmp}/s", "does not run the engine's schedule"),
     ("eval", "simulate --profile h200-embedded --model-shape embedded --traces {trace} --predictor oracle:3 "
              "--no-charts --out {tmp}/s", "oracle:3"),
+    ("eval", "simulate --profile h100-embedded --model-shape embedded --host-op-us 5 --no-charts --out {tmp}/s",
+     "did not record its host's pace"),
 ]
 
 

@@ -227,6 +227,29 @@ def test_a_host_of_another_pace_scales_every_host_cost_and_no_device_cost(embedd
         Costs(cpu_profile(shape), 20.0)
 
 
+def test_simulate_command_simulates_a_host_of_the_pace_it_is_given(tmp_path):
+    """``--host-op-us``: twice the shipped profile's pace gives a host scale of 2, which the table states, and a slower
+    step on the tiny model, whose step is host time."""
+    from typer.testing import CliRunner
+
+    from duoserve.bench.costs import resolve_profile
+    from duoserve.cli.evaluate import app
+
+    pace = resolve_profile("h200-embedded")["host_op_us"]["median"]
+    saved = {}
+    for name, extra in (("own", []), ("slow", ["--host-op-us", str(2 * pace)])):
+        out = tmp_path / name
+        result = CliRunner().invoke(app, ["simulate", "--profile", "h200-embedded", "--model-shape", "embedded",
+                                          "--policy", "on-demand", "--requests", "1", "--prompt-len", "16",
+                                          "--new-tokens", "8", "--no-charts", "--out", str(out), *extra])
+        assert result.exit_code == 0, result.output
+        saved[name] = json.loads((out / "simulate.json").read_text())
+        assert ("2.00x the profile's" in " ".join(result.output.split())) == (name == "slow")
+    assert saved["own"]["host_scale"] == 1.0 and saved["slow"]["host_scale"] == pytest.approx(2.0)
+    own, slow = saved["own"]["rows"][0], saved["slow"]["rows"][0]
+    assert slow["tpot_ms"]["mean"] > 1.5 * own["tpot_ms"]["mean"] and slow["bytes_h2d"] == own["bytes_h2d"]
+
+
 def test_a_calls_host_time_after_its_routing_read_overlaps_its_misses_copies(embedded):
     """The engine queues a call's fetches right after reading its routing, then spends the rest of its host time
     (rows, launches) while they copy: a profile that says so (version 4's routing_us) times on-demand's decode,
