@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -252,6 +253,10 @@ def _print_bench(result: dict, rounds: bool) -> None:
                             num(r["hit_rate"]["decode"]), num(r["stall_ms"], ".0f"), num(r["predictor_ms"], ".0f"))
     console.print(latency)
     console.print(traffic)
+    if paces := [r["host_op_us"] for r in result["runs"]]:
+        console.print(f"the host's pace over the runs: {min(paces):.1f}-{max(paces):.1f} us a small op (median "
+                      f"{statistics.median(paces):.1f}); a host-bound step moves with it (duoserve-eval simulate "
+                      "--host-op-us replays a run at its pace)")
     for note in result.get("skipped", []):
         console.print(f"[yellow]not run[/yellow] {note['policy']}: {note['reason']}")
     if result["device"] == "cpu":
