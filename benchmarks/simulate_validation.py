@@ -8,7 +8,9 @@ the measured ones. Needs no GPU.
     python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
 
 Each row carries the host's pace (``host_op_us``, microseconds per small op) during its runs and during its
-profile, where the profile recorded it: host-bound rows move with it.
+profile, where the profile recorded it: host-bound rows move with it. Where the profile recorded its pace, each
+point is simulated at its runs' (``Costs``' ``host_op_us``; ``--no-pace``: at the profile's), and every row also
+keeps the simulation at the profile's pace (``unpaced``).
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
 """
@@ -88,14 +90,14 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"skipping {name}: {err}", file=sys.stderr)
             skipped.append({"bench": name, "why": str(err)})
             continue
-        paced = args.pace and profile.get("host_op_us") is not None
+        profile_pace = profile.get("host_op_us", {}).get("median")  # profiles before the gauge lack it
+        paced = args.pace and profile_pace is not None
         rounds: dict[tuple, list[dict]] = {}  # a bench of several rounds: the median of each point's rounds
         for r in bench["runs"]:
             rounds.setdefault((r["policy"], r["predictor"], r["batch_size"], r["prompt_len"]), []).append(r)
         for runs in rounds.values():
             r = runs[0]
-            pace = {"runs": statistics.median(x["host_op_us"] for x in runs),
-                    "profile": profile.get("host_op_us", {}).get("median")}  # profiles before the gauge lack it
+            pace = {"runs": statistics.median(x["host_op_us"] for x in runs), "profile": profile_pace}
             measured = {"ttft_ms": statistics.median(x["ttft_s"] for x in runs) * 1e3,
                         "tpot_ms": statistics.median(x["tpot_ms"] for x in runs)}
             unpaced = simulate_run(bench, r, shape, Costs(profile), trace)
