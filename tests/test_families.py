@@ -105,18 +105,20 @@ def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embed
     assert not torch.isclose(routing_loss(logits + 3, truth, "bce"), routing_loss(logits, truth, "bce"))
     out = tmp_path / "p"
     done = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(out), "--family", "residual",
-                                    "--loss", "softmax", "--lr", "0.004", "--widths", "64", "--epochs", "1", "--clean"])
+                                    "--loss", "softmax", "--lr", "0.004", "--widths", "64", "--epochs", "1", "--clean",
+                                    "--window", "2", "--phase", "decode"])
     assert done.exit_code == 0, done.output
     assert load_predictor(out).spec.family == "residual"
     config = json.loads((out / "config.json").read_text())
     assert config["training"]["loss"] == "softmax"
-    # the cross-task refits are fitted as the artifact was: its family, loss and learning rate
+    # the cross-task refits are fitted as the artifact was: its family, loss, learning rate, window and phase
     refits = []
     monkeypatch.setattr(generalization, "cross_task", lambda traces, work, base, progress=None: refits.append(base)
                         or pd.DataFrame(columns=["train", "test", "scorer", "depth", "exact_topk"]))
     generalization.add_studies(SimpleNamespace(info={"predictor_config": config}), [embedded_trace.path], tmp_path,
                                cross=True)
     assert (refits[0].family, refits[0].loss, refits[0].lr) == ("residual", "softmax", 0.004)
+    assert (refits[0].window, refits[0].phase, refits[0].dropout) == (2, "decode", config["dropout"])
     refused = CliRunner().invoke(app, ["fit", str(embedded_trace.path), "--out", str(tmp_path / "q"), "--loss",
                                        "hinge"])
     assert refused.exit_code != 0 and "unknown loss 'hinge'" in refused.output

@@ -63,16 +63,18 @@ def add_studies(report: AccuracyReport, traces: Sequence[Path], work: Path, fit_
                 cross: bool = False, fractions: Sequence[float] | None = None,
                 progress: Callable[[str], None] | None = None) -> str:
     """Run the cross-task study and/or the learning curve for ``report``'s predictor (fresh fits of its widths,
-    features, family and training settings: lr, weight decay, loss; in ``work``), store their rows in
-    ``report.info`` and return their markdown sections."""
+    history window, dropout, features, family, phase and training settings: lr, weight decay, loss, batch size; in
+    ``work``), store their rows in ``report.info`` and return their markdown sections."""
     if not (cross or fractions):
         return ""
     config = report.info["predictor_config"]
     spec, trained = config["feature_spec"], config.get("training", {})
-    base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs,
+    phase = config.get("training_data", {}).get("phase", "all")
+    base = FitSettings(traces=traces, widths=tuple(config["widths"]), epochs=fit_epochs, window=spec["window"],
+                       dropout=config["dropout"], phase=None if phase == "all" else phase,
                        features=[f for f in FEATURES if spec[f]], family=spec.get("family", "paper"),
                        lookahead=spec.get("lookahead", 1), progress=False,
-                       **{key: trained[key] for key in ("lr", "weight_decay", "loss") if key in trained})
+                       **{key: trained[key] for key in ("lr", "weight_decay", "loss", "batch_size") if key in trained})
     extra = ""
     if cross:
         ct = cross_task(traces, work, base, progress)
