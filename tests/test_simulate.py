@@ -138,6 +138,9 @@ def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_
     monkeypatch.setattr(deployed.predictor, "scores", lambda *args, **kwargs: calls.append(args))
     result = run(sim, ((0, p) for p in random_passes(shape, 2, 5, 4)))
     assert result["prefetched"] > 0 and not calls  # every layer's prediction came from the batched table
+    assert 0 < result["predictor_seconds"] < result["sim_seconds"]  # the batched scoring is timed, within the whole
+    oracle = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], "oracle:0.5")
+    assert run(oracle, ((0, p) for p in random_passes(shape, 2, 5, 4)))["predictor_seconds"] < 1e-3  # none scored
 
 
 def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):

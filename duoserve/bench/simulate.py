@@ -350,10 +350,11 @@ def trace_passes(requests: list[Request], batch: int) -> Iterator[tuple[int, Pas
 def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     """Simulate ``passes`` ((batch index, pass) pairs; a negative index: a warm-up pass, simulated but neither timed
     nor counted); TTFT per batch, time per output token per decode step (P50, P95, mean), (prompt tokens, TTFT) of
-    each prefill, tokens, token-layers, the engine's counters and the simulator's own seconds."""
+    each prefill, tokens, token-layers, the engine's counters, the simulator's own seconds and, of those, the seconds
+    a trained predictor spent scoring (its inference on the host, ``predictor_seconds``)."""
     ttft, tpot, tokens, warm, prompts = [], [], 0, False, []
-    started = time.perf_counter()
-    for index, p in _predicted_ahead(sim, passes):
+    started, scoring = time.perf_counter(), [0.0]
+    for index, p in _predicted_ahead(sim, passes, scoring):
         if index >= 0 and warm:  # the timed generation starts on an idle device, its counters from zero
             sim.streams.synchronize()
             sim.reset_stats()
@@ -370,16 +371,21 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     seconds = time.perf_counter() - started
     return {"ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot), "tokens": tokens,
             "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
-            "sim_seconds": seconds, "peak_expert_bytes": stats["cache_bytes"], "prefill_points": prompts,
+            "sim_seconds": seconds, "predictor_seconds": scoring[0], "peak_expert_bytes": stats["cache_bytes"],
+            "prefill_points": prompts,
             **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
                                            "prefetched", "prefetch_precision", "stall_ms")}}
 
 
-def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], chunk: int = 64) -> Iterator[tuple[int, Pass]]:
-    """``passes`` as they come, a trained predictor's scores computed ``chunk`` passes at a time before they run."""
+def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], seconds: list[float],
+                     chunk: int = 64) -> Iterator[tuple[int, Pass]]:
+    """``passes`` as they come, a trained predictor's scores computed ``chunk`` passes at a time before they run
+    (their seconds added to ``seconds[0]``)."""
     it = iter(passes)
     while block := list(itertools.islice(it, chunk)):
+        start = time.perf_counter()
         sim.predict_ahead([p for _, p in block])
+        seconds[0] += time.perf_counter() - start
         yield from block
 
 
