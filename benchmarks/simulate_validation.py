@@ -8,7 +8,11 @@ the measured ones. Needs no GPU.
     python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
 
 Each row carries the host's pace (``host_op_us``, microseconds per small op) during its runs and during its
-profile, where the profile recorded it: host-bound rows move with it. Where the profile recorded its pace, each
+profile, where the profile recorded it: host-bound rows move with it; and the host milliseconds of the timed
+generation in each of the engine's host sections, measured (the bench's ``host_ms``, median of the rounds) and
+simulated (``Simulator(sections=True)``: the same sections on the simulated clock), so a row that misses shows
+whether its host or its device side is off (the table: simulated over measured, all sections and the queueing of
+fetches and compute). Where the profile recorded its pace, each
 point is simulated at its runs' (``Costs``' ``host_op_us``; ``--no-pace``: at the profile's), and every row also
 keeps the simulation at the profile's pace (``unpaced``).
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
@@ -51,7 +55,7 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
     L, E, k = shape.num_layers, shape.num_experts, shape.top_k
     routing = ReplayRouting(trace, L, E, k) if trace else RandomRouting(L, E, k, seed=0)
     predictor = r["predictor"] or "none"
-    sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings)
+    sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings, sections=True)
     return run(sim, bench_passes(routing, r["batch_size"], r["prompt_len"], r["new_tokens"]))
 
 
@@ -107,18 +111,20 @@ def main(argv: list[str] | None = None) -> dict:
                          "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
                          "simulated": sim, "ratio": ratio, "within": within, "host_op_us": pace, "paced": paced,
                          "unpaced": dict(zip(("simulated", "ratio", "within"), compare(unpaced, measured))),
+                         "host_ms": {"measured": _median_sections(runs), "simulated": simulated["host_ms"]},
                          "bytes_h2d": {"measured": r["bytes_h2d"], "simulated": simulated["bytes_h2d"]},
                          "hit_rate": {"measured": r["hit_rate"], "simulated": simulated["hit_rate"]}})
     table = Table(title=f"simulated / measured on the {args.machine.upper()} (within {TOLERANCE:.0%})")
     for col in ("bench", "policy", "predictor", "B", "TTFT ms", "sim", "ratio", "TPOT ms", "sim", "ratio", "ok",
-                "host us/op run/prof."):
+                "host us/op run/prof.", "host sections sim/run"):
         table.add_column(col)
     for row in rows:
         m, s, q = row["measured"], row["simulated"], row["ratio"]
         name = row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json")
         table.add_row(name, row["policy"], str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
                       f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
-                      f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no", _pace(row["host_op_us"]))
+                      f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no", _pace(row["host_op_us"]),
+                      _sections(row["host_ms"]))
     Console().print(table)
     held, held_unpaced = sum(row["within"] for row in rows), sum(row["unpaced"]["within"] for row in rows)
     print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}; {held_unpaced} at the profiles' own host pace")
@@ -126,6 +132,21 @@ def main(argv: list[str] | None = None) -> dict:
               "held_unpaced": held_unpaced, "skipped": skipped}
     write_result(args.out, result)
     return result
+
+
+def _median_sections(runs: list[dict]) -> dict[str, float]:
+    """The engine's host milliseconds per section over a point's timed generations, the median of its rounds."""
+    names = sorted({name for r in runs for name in r["host_ms"]})
+    return {name: statistics.median(r["host_ms"].get(name, 0.0) for r in runs) for name in names}
+
+
+def _sections(host_ms: dict) -> str:
+    """The simulated host time in the engine's sections over the measured, all sections and the two that queue work
+    (fetches, compute): where a row's error lies, host or device."""
+    def ratio(names) -> str:
+        measured = sum(host_ms["measured"].get(n, 0.0) for n in names)
+        return f"{sum(host_ms['simulated'].get(n, 0.0) for n in names) / measured:.2f}" if measured else "-"
+    return f"{ratio(host_ms['measured'])} ({ratio(('queue fetches', 'queue compute'))})"
 
 
 def _pace(pace: dict) -> str:

@@ -11,7 +11,7 @@ import torch
 from duoserve.bench.drivers import OraclePredictor, RandomRouting
 from duoserve.bench.clocks import SimCompute, SimStore, SimStreams
 from duoserve.bench.costs import Costs
-from duoserve.bench.simulate import ModelShape, Simulator, random_passes, run, trace_passes, trace_requests
+from duoserve.bench.simulate import ModelShape, Pass, Simulator, random_passes, run, trace_passes, trace_requests
 from duoserve.discovery import find_moe_layers
 from duoserve.loading import load_model
 from duoserve.predictor.artifact import load_predictor, save_predictor
@@ -204,6 +204,32 @@ def test_simulated_times_follow_the_profile(embedded):
                         ((0, p) for p in random_passes(shape, 1, 16, 8)))["stall_ms"] for spec in ("none", "oracle")}
     assert stalls["oracle"] < stalls["none"]
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
+
+
+def test_the_engines_host_sections_are_timed_on_the_simulated_clock_without_changing_it(embedded, trained):
+    shape = ModelShape.of("embedded", dtype="float32")
+    costs = Costs(cpu_profile(shape))
+    for policy, predictor in (("duoserve", str(trained)), ("on-demand", "none")):
+        plain, timed = (run(Simulator(shape, costs, POLICIES[policy], predictor, sections=sections),
+                            ((0, p) for p in random_passes(shape, 2, 16, 8))) for sections in (False, True))
+        assert plain["host_ms"] == {} and timed["tpot_ms"] == plain["tpot_ms"] and timed["ttft_ms"] == plain["ttft_ms"]
+        working = {"wait for routing", "queue fetches", "queue compute"} | (
+            {"queue predictor", "queue prefetch"} if policy == "duoserve" else set())
+        waiting = {"wait for predictor"} if policy == "duoserve" else set()  # the host waits only if it is early
+        assert set(timed["host_ms"]) == working | waiting
+        assert all(timed["host_ms"][name] > 0 for name in working)
+        # sections hold host time only: they sum to less than the passes' wall time
+        wall = timed["ttft_ms"]["mean"] + timed["tpot_ms"]["mean"] * timed["decode_steps"]
+        assert sum(timed["host_ms"].values()) < wall
+    per_call = costs.call_host_ms("decode", 2) - costs.routing_host_ms("decode", 2)
+    sim = Simulator(shape, costs, POLICIES["lru"], sections=True, settings=EngineSettings(
+        gpu_expert_budget=shape.num_layers * shape.num_experts * shape.layout.nbytes))
+    every = np.resize(np.arange(shape.num_experts), (-(-shape.num_experts // shape.top_k), shape.top_k))  # T x k
+    sim.forward(Pass("prefill", np.stack([every] * shape.num_layers), 1, len(every)))  # every expert cached
+    sim.reset_stats()
+    sim.forward(Pass("decode", next(random_passes(shape, 2, 4, 2)).ids[:, :2], 2, 5))  # so its calls all hit
+    # a decode call that finds its experts cached spends its host time after the routing read in queue compute
+    assert sim.stats()["host_ms"]["queue compute"] == pytest.approx(shape.num_layers * per_call)
 
 
 def test_a_host_of_another_pace_scales_every_host_cost_and_no_device_cost(embedded):
@@ -476,5 +502,10 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
         scale = row["host_op_us"]["runs"] / pace
         assert row["paced"] and row["simulated"]["tpot_ms"] != row["unpaced"]["simulated"]["tpot_ms"]
         assert (row["simulated"]["tpot_ms"] > row["unpaced"]["simulated"]["tpot_ms"]) == (scale > 1)
+        # the engine's host sections beside the simulation's: the rounds' medians, and the same names simulated
+        assert row["host_ms"]["measured"]["queue compute"] == pytest.approx(
+            np.median([r["host_ms"]["queue compute"] for r in runs]))
+        assert set(row["host_ms"]["simulated"]) <= set(row["host_ms"]["measured"])
+        assert all(row["host_ms"]["simulated"][name] > 0 for name in ("wait for routing", "queue fetches"))
     assert out["held"] == sum(r["within"] for r in out["rows"])
     assert out["held_unpaced"] == sum(r["unpaced"]["within"] for r in out["rows"])

@@ -1,4 +1,4 @@
-"""The offload simulator's stand-ins for the runtime's streams, expert stores and expert compute: they do no
+"""The offload simulator's stand-ins for the runtime's streams, expert stores, expert compute and timers: they do no
 work and hold no data, but advance clocks by a device profile's costs (``costs.py``); ``simulate.py`` says
 what each one models.
 
@@ -16,6 +16,7 @@ import torch
 from duoserve.bench.costs import Costs
 from duoserve.runtime.quant import stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, runs
+from duoserve.runtime.streams import NullTimers
 
 
 class _Event(NamedTuple):
@@ -135,13 +136,56 @@ class SimStore:
             streams.stall_ms += n * copy
 
 
+class SimSections:
+    """The engine's host sections (``streams.CpuSections``) timed on the simulated host clock: where the simulation
+    spends its host time, by the names the engine's own timers give (``duoserve-run bench`` records those)."""
+
+    def __init__(self, streams: SimStreams):
+        self.streams, self.ms = streams, {}
+
+    def __call__(self, name: str) -> _SimSection:
+        return _SimSection(self, name)
+
+    def add(self, name: str, ms: float) -> None:
+        self.ms[name] = self.ms.get(name, 0.0) + ms
+
+
+class _SimSection:
+    __slots__ = ("name", "sections", "start")
+
+    def __init__(self, sections: SimSections, name: str):
+        self.sections, self.name = sections, name
+
+    def __enter__(self) -> None:
+        self.start = self.sections.streams.host
+
+    def __exit__(self, *exc) -> None:
+        self.sections.add(self.name, self.sections.streams.host - self.start)
+
+
+class SimTimers:
+    """``EngineTimers`` for a simulation: host sections on the simulated clock (``SimSections``), no device spans
+    (the simulator keeps its stalls itself)."""
+
+    stall = predict = NullTimers.stall
+
+    def __init__(self, streams: SimStreams):
+        self.streams = streams
+        self.reset()
+
+    def reset(self) -> None:
+        self.cpu = SimSections(self.streams)
+
+
 class SimCompute:
-    """The engine's expert compute (``experts.SlotCompute``) as compute-stream time."""
+    """The engine's expert compute (``experts.SlotCompute``) as compute-stream time; its host time in the sections
+    the engine's compute times (``queue compute``)."""
 
     graphs = None
 
     def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
         self.cache, self.streams, self.costs = cache, streams, costs
+        self.timers = timers if isinstance(timers, SimTimers) else None  # None: time nothing (no hot-path cost)
         self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
         self.call_host_ms = 0.0
 
@@ -168,7 +212,10 @@ class SimCompute:
 
     def compute_all(self, l: int, hidden, weights, inputs: list[int], slots: dict[int, int]):
         self.cache.wait_ready(slots.values())
+        start = self.streams.host
         self._run(inputs, slots)
+        if self.timers is not None:
+            self.timers.cpu.add("queue compute", self.streams.host - start)
         return hidden
 
     def add_group(self, l: int, hidden, weights, rows: list[int], slots: dict[int, int], out) -> None:

@@ -49,7 +49,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from duoserve.bench.clocks import SimCompute, SimStore, SimStreams
+from duoserve.bench.clocks import SimCompute, SimStore, SimStreams, SimTimers
 from duoserve.bench.costs import Costs
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, open_routing_trace, oracle_recall
 from duoserve.bench.shapes import model_source
@@ -58,7 +58,7 @@ from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
 from duoserve.predictor.fast import TrainedPredictor, top_k
 from duoserve.runtime.policies import Policy
-from duoserve.runtime.scheduler import ExpertScheduler
+from duoserve.runtime.scheduler import ROUTING_SECTION, ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import RoutingSource
 from duoserve.runtime.store import ExpertLayout, expert_params
@@ -164,10 +164,13 @@ class _PassRouting:
 
 class Simulator:
     """``policy`` on a model of ``shape``, timed by ``costs``; ``predictor``: none, oracle[:RECALL] or an artifact
-    path (a trained predictor, run on the host CPU on the pass's real routing)."""
+    path (a trained predictor, run on the host CPU on the pass's real routing); ``sections``: also time the engine's
+    host sections on the simulated clock (``clocks.SimTimers``: what a bench run's ``host_ms`` holds), at some cost
+    in the simulator's own speed."""
 
     def __init__(self, shape: ModelShape, costs: Costs, policy: Policy, predictor: str = "none",
-                 settings: EngineSettings = EngineSettings(), expert_dtype: str = "model", seed: int = 0):
+                 settings: EngineSettings = EngineSettings(), expert_dtype: str = "model", seed: int = 0,
+                 sections: bool = False):
         if policy.resident or policy.accelerate or policy.host_compute:
             raise ValueError(f"policy {policy.name} does not run the engine's schedule; simulate one of the policies "
                              "that offload through the expert cache")
@@ -175,6 +178,7 @@ class Simulator:
             raise ValueError(f"policy {policy.name} copies the model's own parameters; it takes no quantized experts")
         self.shape, self.costs, self.policy = shape, costs, policy
         self.streams = SimStreams()
+        self.timers = SimTimers(self.streams) if sections else NullTimers()
         self._routing = _PassRouting()
         self._nextgate: tuple | None = None
         L, E, k = shape.num_layers, shape.num_experts, shape.top_k
@@ -195,7 +199,7 @@ class Simulator:
                                           for t in range(1, L)]
         self.scheduler = ExpertScheduler((L, E, k), stores, policy, settings, self.streams,
                                          lambda cache, streams, timers: SimCompute(cache, streams, timers, costs),
-                                         deployed, next_gate, NullTimers())
+                                         deployed, next_gate, self.timers)
         for store in stores:
             store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
 
@@ -246,10 +250,14 @@ class Simulator:
         host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
+        timers = sched.compute.timers  # None unless ``sections``: nothing timed on the hot path
         for l, layer_idx in enumerate(idx.unbind(0)):  # T x k each
             s.launch(wall, device)
+            before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += routing_ms
+            if timers is not None:
+                timers.cpu.add(ROUTING_SECTION, s.host - before)
             sched.compute.begin_call(host_ms - routing_ms)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
@@ -350,8 +358,10 @@ def trace_passes(requests: list[Request], batch: int) -> Iterator[tuple[int, Pas
 def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     """Simulate ``passes`` ((batch index, pass) pairs; a negative index: a warm-up pass, simulated but neither timed
     nor counted); TTFT per batch, time per output token per decode step (P50, P95, mean), (prompt tokens, TTFT) of
-    each prefill, tokens, token-layers, the engine's counters, the simulator's own seconds and, of those, the seconds
-    a trained predictor spent scoring (its inference on the host, ``predictor_seconds``)."""
+    each prefill, tokens, token-layers, the engine's counters (with the simulated host milliseconds in each of the
+    engine's host sections, ``host_ms``, where the simulator was made with ``sections``), the simulator's own
+    seconds and, of those, the seconds a trained predictor spent scoring (its inference on the host,
+    ``predictor_seconds``)."""
     ttft, tpot, tokens, warm, prompts = [], [], 0, False, []
     started, scoring = time.perf_counter(), [0.0]
     for index, p in _predicted_ahead(sim, passes, scoring):
@@ -374,7 +384,7 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
             "sim_seconds": seconds, "predictor_seconds": scoring[0], "peak_expert_bytes": stats["cache_bytes"],
             "prefill_points": prompts,
             **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
-                                           "prefetched", "prefetch_precision", "stall_ms")}}
+                                           "prefetched", "prefetch_precision", "stall_ms", "host_ms")}}
 
 
 def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], seconds: list[float],
