@@ -1122,6 +1122,8 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert [r["batch"] for r in profile["predictor_ms"]] == [1, 2]
     pace = profile["host_op_us"]  # the host's pace while profiling, the gauge each bench run records beside its own
     assert 0 < pace["min"] <= pace["median"] <= pace["max"]
+    assert "host cost of the engine's calls" in pace["sections"] and "end" in pace["sections"]  # each sample, named
+    assert min(pace["sections"].values()) == pace["min"] and max(pace["sections"].values()) == pace["max"]
     # on the CPU wall and host time are one clock read twice: both measured, their ratio only noise (it failed under
     # load at 0.5x); on a GPU the wall includes the device's wait
     assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in profile["predictor_ms"])

@@ -49,8 +49,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
 Not required (files without it are read): ``host_op_us``, the host's pace while it was measured, in microseconds
 per small tensor op (the bench's own gauge, ``harness.host_op_us``, sampled before each section): the median,
-least and most. A bench run records the same gauge, so a validation can tell a model error from a host that
-drifted between the profile and the run, and simulate the run at its own pace (``costs.Costs``' ``host_op_us``).
+least and most, and each sample by the section it preceded (``sections``; ``end``: after the last), so a cost
+can be set beside the pace of the section that measured it. A bench run records the same gauge, so a validation
+can tell a model error from a host that drifted between the profile and the run, and simulate the run at its own
+pace (``costs.Costs``' ``host_op_us``).
 """
 
 from __future__ import annotations
@@ -394,10 +396,10 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     store = HostExperts.pack(params, pin=device.type == "cuda")
     nbytes = store.layout.nbytes
     H = model.config.get_text_config().hidden_size
-    pace: list[float] = []  # the host's us per op, sampled before each section
+    pace: dict[str, float] = {}  # the host's us per op, sampled before each section (and once at the end)
 
     def section(text: str) -> None:
-        pace.append(host_op_us(device))
+        pace[text] = host_op_us(device)
         say(text)
 
     section("copy bandwidth by size")
@@ -416,6 +418,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     dequant_ms = {fmt: _dequant_ms(make_store({n: p.to(device) for n, p in params.items()}, fmt, pin=False),
                                    device, s.repeats) for fmt in ("fp8", "int4")}
 
+    section("the model's passes without their experts")
     shallow = model_from_config(s.model, device, s.dtype, 1)
     passes = {depth: _pass_ms(net, s, say) for depth, net in ((1, shallow), (s.layers, model))}
     del shallow
@@ -435,7 +438,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
     for row in predictor_ms:
         if row["batch"] in engine_us["launch"]:
             row["launch_host_ms"] = engine_us["launch"][row["batch"]] / 1e3
-    pace.append(host_op_us(device))
+    pace["end"] = host_op_us(device)
     return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
             "dtype": str(store.layout.dtype), "measured_layers": s.layers,
             "step_graphs": s.step_graphs and device.type == "cuda",
@@ -445,7 +448,8 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
             "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
             "group_host_us": engine_us["group"], "predictor_ms": predictor_ms,
             "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms,
-            "host_op_us": {"median": statistics.median(pace), "min": min(pace), "max": max(pace)}}
+            "host_op_us": {"median": statistics.median(pace.values()), "min": min(pace.values()),
+                           "max": max(pace.values()), "sections": pace}}
 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
