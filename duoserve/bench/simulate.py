@@ -179,6 +179,7 @@ class Simulator:
         self.shape, self.costs, self.policy = shape, costs, policy
         self.streams = SimStreams()
         self.timers = SimTimers(self.streams) if sections else NullTimers()
+        self._sections = self.timers if sections else None  # what ``forward`` times its routing reads on, if any
         self._routing = _PassRouting()
         self._nextgate: tuple | None = None
         L, E, k = shape.num_layers, shape.num_experts, shape.top_k
@@ -250,14 +251,13 @@ class Simulator:
         host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
-        timers = sched.compute.timers  # None unless ``sections``: nothing timed on the hot path
         for l, layer_idx in enumerate(idx.unbind(0)):  # T x k each
             s.launch(wall, device)
             before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += routing_ms
-            if timers is not None:
-                timers.cpu.add(ROUTING_SECTION, s.host - before)
+            if self._sections is not None:
+                self._sections.cpu.add(ROUTING_SECTION, s.host - before)
             sched.compute.begin_call(host_ms - routing_ms)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
