@@ -15,6 +15,9 @@ it), once with the whole history window and once with ``--short-window`` layers,
   request      next-gate's log-probabilities plus ``--alpha`` x log(f + 0.1), f the share of each expert among the
                routing of the request's own earlier tokens (prompt included) at the target layer: a prior that is the
                test request's own, with no training
+
+Needing no training, next-gate and the request prior are also scored on the decode tokens of every request of each
+task (``training_free``): a sample ten times the held-out one.
 """
 
 from __future__ import annotations
@@ -91,6 +94,14 @@ def main(argv: list[str] | None = None) -> dict:
     held_out = {t: np.flatnonzero(val & table.decode & (task == t)) for t in tasks}
     evals = {t: S.EvalSet(table.select(rows), make_examples(np.arange(len(rows)), L)) for t, rows in held_out.items()}
     stats = {t: stats_from_ids(table.ids[~val & (task == t)], E) for t in tasks}
+    training_free = {}
+    for t in tasks:
+        every = np.flatnonzero(table.decode & (task == t))
+        ev = S.EvalSet(table.select(every), make_examples(np.arange(len(every)), L))
+        training_free[t] = {"tokens": len(every), "next_gate": exact(S.NextGate(), ev),
+                            "request_prior": exact(RequestPrior(counts[every], args.alpha), ev)}
+        print(f"every request of {t}: next-gate {training_free[t]['next_gate']:.3f}, request prior "
+              f"{training_free[t]['request_prior']:.3f} ({len(every)} decode tokens)")
     rows = []
     with tempfile.TemporaryDirectory() as work:
         for window in (None, args.short_window):
@@ -112,7 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
                           f"exact-top-k {row['own_stats']:.3f} (its stats), {row['swapped_stats']:.3f} (the test "
                           f"task's), next-gate {row['next_gate']:.3f}, request prior {row['request_prior']:.3f}")
     result = {"traces": str(args.traces), "family": args.family, "epochs": args.epochs, "alpha": args.alpha,
-              "rows": rows}
+              "rows": rows, "training_free": training_free}
     write_result(args.out, result)
     return result
 
