@@ -35,6 +35,7 @@ from duoserve.evaluate.accuracy import hits_at_budgets
 from duoserve.features.examples import RoutingTable, load_routing, make_examples, split_requests
 from duoserve.features.stats import stats_from_ids
 from duoserve.predictor.artifact import load_predictor
+from duoserve.predictor.model import TIE_BREAK
 from duoserve.trace.format import open_trace
 from duoserve.train.fit import fit
 from duoserve.train.settings import FitSettings
@@ -67,7 +68,8 @@ class RequestPrior(S.Scorer):
     def scores(self, ev, idx):
         b = ev.batch(idx)
         logp = torch.full((len(idx), ev.E), np.log(1e-6) - 1.0)  # B x E: floor where the router kept no score
-        logp.scatter_(1, b["nextgate"].long(), b["nextgate_scores"].float().clamp_min(1e-6).log())
+        position = torch.arange(b["nextgate"].shape[1]) * TIE_BREAK  # m: equal (float16) scores keep its order
+        logp.scatter_(1, b["nextgate"].long(), b["nextgate_scores"].float().clamp_min(1e-6).log() - position)
         c = torch.from_numpy(self.counts[ev.examples.token[idx], ev.examples.target[idx]])  # B x E
         share = c / c.sum(1, keepdim=True).clamp_min(1.0)
         return logp + self.alpha * (share + PRIOR_FLOOR).log()

@@ -227,3 +227,26 @@ def test_a_predictor_whose_compilation_fails_is_captured_from_its_plain_call(mon
     with torch.no_grad():
         expected = model(history, torch.full((B,), 3), None, None).sigmoid()
     torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_cross_task_probes_prior_counts_only_a_requests_earlier_tokens(embedded_trace):
+    """benchmarks/cross_task_probes.py's request prior: per token, the routing of its request's earlier tokens
+    (prompt included) at each layer, and with weight 0 it is next-gate's own choice."""
+    from duoserve.evaluate import scorers as S
+    from duoserve.features.examples import load_routing, make_examples
+    from tests.conftest import load_benchmark
+
+    probes = load_benchmark("cross_task_probes")
+    table = load_routing([embedded_trace], lookahead=1)
+    counts = probes.request_counts(table)  # N x L x E
+    L, E = table.meta.num_layers, table.meta.num_experts
+    for i in np.random.default_rng(0).choice(len(table), 40, replace=False):
+        earlier = np.flatnonzero((table.request == table.request[i]) & (table.position < table.position[i]))
+        want = np.zeros((L, E))
+        for j in earlier:
+            np.add.at(want, (np.arange(L)[:, None], table.ids[j].astype(np.int64)), 1.0)
+        np.testing.assert_array_equal(counts[i], want)
+    decode = np.flatnonzero(table.decode)
+    ev = S.EvalSet(table.select(decode), make_examples(np.arange(len(decode)), L))
+    assert probes.exact(probes.RequestPrior(counts[decode], 0.0), ev) == probes.exact(S.NextGate(), ev)
+    assert probes.exact(probes.RequestPrior(counts[decode], 5.0), ev) != probes.exact(S.NextGate(), ev)
