@@ -45,15 +45,10 @@ PRIOR_FLOOR = 0.1  # added to a request's expert share before its log: unseen ex
 
 def request_counts(table: RoutingTable) -> np.ndarray:
     """N x L x E: per token, how often each expert was routed to at each layer by its request's earlier tokens."""
-    L, E = table.meta.num_layers, table.meta.num_experts
-    counts = np.zeros((len(table), L, E), dtype=np.float32)
-    np.put_along_axis(counts, table.ids.astype(np.int64), 1.0, axis=2)  # each token's own routing first
-    order = np.lexsort((table.position, table.request))  # tokens by request, then position
-    ordered = counts[order]
-    running = np.cumsum(ordered, axis=0)
-    starts = np.flatnonzero(np.r_[True, table.request[order][1:] != table.request[order][:-1]])  # first of each request
-    before = np.repeat(running[starts] - ordered[starts], np.diff(np.r_[starts, len(order)]), axis=0)
-    counts[order] = running - ordered - before  # the request's tokens strictly before each one
+    counts = np.zeros((len(table), table.meta.num_layers, table.meta.num_experts), dtype=np.float32)
+    for r in np.unique(table.request):
+        tokens, _, before = S.request_routing(table, r)
+        counts[tokens] = before.numpy()
     return counts
 
 

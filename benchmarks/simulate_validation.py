@@ -12,9 +12,9 @@ profile, where the profile recorded it: host-bound rows move with it; and the ho
 generation in each of the engine's host sections, measured (the bench's ``host_ms``, median of the rounds) and
 simulated (``Simulator(sections=True)``: the same sections on the simulated clock), so a row that misses shows
 whether its host or its device side is off (the table: simulated over measured, all sections and the queueing of
-fetches and compute). Where the profile recorded its pace, each
-point is simulated at its runs' (``Costs``' ``host_op_us``; ``--no-pace``: at the profile's), and every row also
-keeps the simulation at the profile's pace (``unpaced``).
+fetches and compute). Where the profile recorded its pace, each point is simulated at its runs' (``Costs``'
+``host_op_us``; ``--no-pace``: at the profile's), and every row also keeps the simulation at the profile's pace
+(``unpaced``).
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
 """

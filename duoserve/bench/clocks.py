@@ -183,9 +183,8 @@ class SimCompute:
 
     graphs = None
 
-    def __init__(self, cache, streams: SimStreams, timers, costs: Costs):
-        self.cache, self.streams, self.costs = cache, streams, costs
-        self.timers = timers if isinstance(timers, SimTimers) else None  # None: time nothing (no hot-path cost)
+    def __init__(self, cache, streams: SimStreams, timers: SimTimers | None, costs: Costs):
+        self.cache, self.streams, self.timers, self.costs = cache, streams, timers, costs  # timers None: time nothing
         self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
         self.call_host_ms = 0.0
 

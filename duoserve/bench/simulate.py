@@ -178,8 +178,7 @@ class Simulator:
             raise ValueError(f"policy {policy.name} copies the model's own parameters; it takes no quantized experts")
         self.shape, self.costs, self.policy = shape, costs, policy
         self.streams = SimStreams()
-        self.timers = SimTimers(self.streams) if sections else NullTimers()
-        self._sections = self.timers if sections else None  # what ``forward`` times its routing reads on, if any
+        self.timers = SimTimers(self.streams) if sections else None  # None: nothing timed on the hot path
         self._routing = _PassRouting()
         self._nextgate: tuple | None = None
         L, E, k = shape.num_layers, shape.num_experts, shape.top_k
@@ -199,8 +198,8 @@ class Simulator:
                     next_gate = [None] + [self._next_gate_of(t, deployed.nextgate, deployed.nextgate_scores)
                                           for t in range(1, L)]
         self.scheduler = ExpertScheduler((L, E, k), stores, policy, settings, self.streams,
-                                         lambda cache, streams, timers: SimCompute(cache, streams, timers, costs),
-                                         deployed, next_gate, self.timers)
+                                         lambda cache, streams, _: SimCompute(cache, streams, self.timers, costs),
+                                         deployed, next_gate, self.timers or NullTimers())
         for store in stores:
             store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
 
@@ -256,8 +255,8 @@ class Simulator:
             before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += routing_ms
-            if self._sections is not None:
-                self._sections.cpu.add(ROUTING_SECTION, s.host - before)
+            if self.timers is not None:
+                self.timers.cpu.add(ROUTING_SECTION, s.host - before)
             sched.compute.begin_call(host_ms - routing_ms)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))

@@ -120,6 +120,17 @@ class PreviousToken(Scorer):
         return out
 
 
+def request_routing(table: RoutingTable, request: int) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
+    """One request's tokens in position order (T rows of ``table``), each token's own routing as a T x L x E one-hot,
+    and the routing counts of the request's earlier tokens at each layer (T x L x E)."""
+    L, E = table.meta.num_layers, table.meta.num_experts
+    tokens = np.flatnonzero(table.request == request)
+    tokens = tokens[np.argsort(table.position[tokens])]
+    onehot = torch.zeros(len(tokens), L, E)
+    onehot.scatter_(2, torch.from_numpy(table.ids[tokens].astype(np.int64)), 1.0)  # T x L x E
+    return tokens, onehot, torch.cumsum(onehot, 0) - onehot
+
+
 class ActivationMatrix(Scorer):
     """MoE-Infinity's request-level expert activation matrix (EAM) matching.
 
@@ -145,11 +156,7 @@ class ActivationMatrix(Scorer):
         bank_unit = bank / bank.norm(dim=1, keepdim=True)
         token_scores = {}
         for r in np.unique(table.request[ex.token]):
-            tokens = np.flatnonzero(table.request == r)
-            tokens = tokens[np.argsort(table.position[tokens])]
-            onehot = torch.zeros(len(tokens), L, E)
-            onehot.scatter_(2, torch.from_numpy(table.ids[tokens].astype(np.int64)), 1.0)  # T x L x E
-            before = torch.cumsum(onehot, 0) - onehot  # T x L x E: earlier tokens of the request
+            tokens, onehot, before = request_routing(table, r)  # before: the request's earlier tokens, T x L x E
             # partial EAM for target t: earlier tokens + this token's layers < t
             layer_mask = (torch.arange(L)[None, :] < torch.arange(1, L)[:, None]).float()  # (L-1) x L
             partial = before[:, None] + onehot[:, None] * layer_mask[None, :, :, None]  # T x (L-1) x L x E
