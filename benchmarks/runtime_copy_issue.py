@@ -9,7 +9,12 @@ k copies (the host's issue time only; the device drains the copies untimed betwe
   registered      the same, rows in pageable memory registered with cudaHostRegister (no allocator event)
   foreach         torch._foreach_copy_ of the group in one call
   cudart          cudaMemcpyAsync called through ctypes on raw pointers (the engine's ``runtime_memcpy``)
-  cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event)
+  cudart batch    one cudaMemcpyBatchAsync of the group (the engine's ``Streams.copy_runs``; CUDA 12.8 and later)
+  cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event), its
+                  experts not consecutive (a copy each), through the batched call where there is one
+  cache.fetch unbatched   the same, a cudaMemcpyAsync a copy
+
+Then the device's side, as PCIe bandwidth of whole groups issued each way (cudart, cudart batch), waited for.
 
     python3 benchmarks/runtime_copy_issue.py [--expert-mb 9.4] [--group 8] [--groups 200] [--out FILE.json]
 """
@@ -23,8 +28,8 @@ import torch
 
 from duoserve.bench.results import parser, write_result
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.store import ExpertLayout, HostExperts
-from duoserve.runtime.streams import Streams, runtime_memcpy
+from duoserve.runtime.store import ExpertLayout, HostExperts, Rows
+from duoserve.runtime.streams import Streams, cuda_runtime, runtime_memcpy
 
 
 def main() -> None:
@@ -36,21 +41,28 @@ def main() -> None:
     device = torch.device("cuda")
     P, k = int(args.expert_mb * 1e6 / 2), args.group
     E = 2 * k
-    pinned = torch.zeros(E, P, dtype=torch.bfloat16, pin_memory=True)  # E x P
+    pinned = torch.randn(E, P).to(torch.bfloat16).pin_memory()  # E x P
     pageable = torch.zeros(E, P, dtype=torch.bfloat16)  # E x P
     torch.cuda.cudart().cudaHostRegister(pageable.data_ptr(), pageable.numel() * 2, 0)
     slots = torch.zeros(2 * k, P, dtype=torch.bfloat16, device=device)  # S x P
     stream = torch.cuda.Stream(device)
     rows, reg_rows, slot_rows = list(pinned.unbind(0)), list(pageable.unbind(0)), list(slots.unbind(0))
-    memcpy = runtime_memcpy()  # what the engine calls
-    if memcpy is None:
+    runtime = cuda_runtime()
+    if runtime is None:
         raise SystemExit("torch's CUDA runtime is not a shared library in this process: no direct copies to time")
+    memcpy = runtime_memcpy(runtime)  # what the engine calls
     handle, nbytes = stream.cuda_stream, P * 2
     src_ptrs, dst_ptrs = [r.data_ptr() for r in rows], [r.data_ptr() for r in slot_rows]
 
     layout = ExpertLayout(("w",), ((P,),), (0,), P, torch.bfloat16)
     store = HostExperts(layout, packed=pinned)
-    cache = ExpertCache(layout, 2 * k, Streams(device))
+    engine = Streams(device)
+    if engine._batch is None:
+        raise SystemExit("this CUDA runtime has no cudaMemcpyBatchAsync (CUDA 12.8 and later)")
+    unbatched = Streams(device)
+    unbatched._batch = None
+    caches = {name: ExpertCache(layout, 2 * k, streams) for name, streams in (("batch", engine), ("one", unbatched))}
+    scattered = list(range(0, E, 2))  # no two consecutive: a copy each
 
     def torch_copy(g: int) -> None:
         for i in range(k):
@@ -69,11 +81,16 @@ def main() -> None:
             if memcpy(dst_ptrs[(g + i) % (2 * k)], src_ptrs[(g * k + i) % E], nbytes, 1, handle):
                 raise RuntimeError("cudaMemcpyAsync failed")
 
-    def fetch(g: int) -> None:
-        cache.fetch(g, list(range(k)), store, "decode", set())
+    src_rows, dst_rows = Rows(pinned), Rows(slots)
+
+    def batch(g: int) -> None:
+        engine.copy_runs(dst_rows, src_rows, [((g * k + i) % E, (g + i) % (2 * k), 1) for i in range(k)], stream)
+
+    def fetch(name: str):
+        return lambda g: caches[name].fetch(g, scattered, store, "decode", set())
 
     variants = {"torch copy_": torch_copy, "registered": registered, "foreach": foreach, "cudart": direct,
-                "cache.fetch": fetch}
+                "cudart batch": batch, "cache.fetch": fetch("batch"), "cache.fetch unbatched": fetch("one")}
     times = {name: [] for name in variants}
     for g in range(args.groups):  # interleaved, so drift in the host's pace hits every variant alike
         for name, issue in variants.items():
@@ -83,19 +100,33 @@ def main() -> None:
                 issue(g)
                 times[name].append((time.perf_counter() - start) * 1e6 / k)
     torch.cuda.synchronize()
-    ok = torch.equal(slots[0].cpu(), pinned[0])
+    slots.zero_()
+    with torch.cuda.stream(stream):
+        batch(1)
+    torch.cuda.synchronize()
+    ok = all(torch.equal(slots[(1 + i) % (2 * k)].cpu(), pinned[(k + i) % E]) for i in range(k))
+    gbps = {}
+    for name in ("cudart", "cudart batch"):  # the device's side: whole groups, waited for
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            start = time.perf_counter()
+            for g in range(20):
+                variants[name](g)
+            torch.cuda.synchronize()
+        gbps[name] = 20 * k * nbytes / (time.perf_counter() - start) / 1e9
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}; expert {nbytes / 1e6:.1f} MB, groups of {k}, "
-          f"{args.groups} groups; host us per copy queued (median, p90); copies landed intact: {ok}")
+          f"{args.groups} groups; host us per copy queued (median, p90); batched copies landed intact: {ok}")
     base = statistics.median(times["torch copy_"])
     summary = {}
     for name, t in times.items():
         t = sorted(t)
         med, p90 = statistics.median(t), t[int(0.9 * len(t))]
         summary[name] = {"median_us": med, "p90_us": p90, "vs_torch_copy": med / base}
-        print(f"  {name:12s} {med:6.2f} {p90:6.2f}   {med / base:.2f}x of torch copy_")
+        print(f"  {name:21s} {med:6.2f} {p90:6.2f}   {med / base:.2f}x of torch copy_")
+    print("  PCIe GB/s of whole groups: " + ", ".join(f"{name} {v:.1f}" for name, v in gbps.items()))
     write_result(args.out, {"benchmark": "runtime_copy_issue", "device": torch.cuda.get_device_name(),
                             "expert_mb": nbytes / 1e6, "group": k, "groups": args.groups, "landed_intact": ok,
-                            "host_us_per_copy": summary})
+                            "host_us_per_copy": summary, "group_gbps": gbps})
 
 
 if __name__ == "__main__":
