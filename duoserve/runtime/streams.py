@@ -72,8 +72,11 @@ class Streams:
 
     @property
     def copy_path(self) -> str:
-        """How ``copy_to_device`` queues a copy: "cudaMemcpyAsync" (the runtime, directly) or "torch copy_"."""
-        return "torch copy_" if self._memcpy is None else "cudaMemcpyAsync"
+        """How copies are queued: "cudaMemcpyAsync" (the runtime, directly; "+ cudaMemcpyBatchAsync" where a group's
+        copies go in one call, ``copy_runs``) or "torch copy_"."""
+        if self._memcpy is None:
+            return "torch copy_"
+        return "cudaMemcpyAsync" if self._batch is None else "cudaMemcpyAsync + cudaMemcpyBatchAsync"
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """Queue the copy of host or device tensor ``src`` into device tensor ``dst`` (both contiguous, same size)
