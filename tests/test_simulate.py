@@ -331,6 +331,33 @@ def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots():
     assert copied < computed < dequantized  # to staging during that compute; into the slots after it
 
 
+def test_a_quantized_fetchs_slots_are_ready_when_dequantized_and_after_what_its_caller_queued_behind():
+    """A quantized fetch's slots are ready when its dequantization ends (which waited for its copies: the seal adds no
+    wait, a decode step being short of host time); where its caller queued more on the copy stream behind them (a
+    prefill group's pair rows), also after that."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    costs = Costs(cpu_profile(shape))
+    for more in (False, True):
+        streams = SimStreams()
+        waits, wait = [], streams.wait
+
+        def counted(stream, event, waits=waits, wait=wait):
+            if event is not None:
+                waits.append(stream)
+            wait(stream, event)
+
+        streams.wait = counted
+        cache = ExpertCache(shape.layout, 4, streams)
+        slots = cache.fetch(0, [0, 2], SimStore(shape.layout, costs, True, "fp8"), "decode", set(), seal=not more)
+        if more:
+            streams.run(streams.copy, 50.0)  # far longer than the fetch
+            cache.seal(slots)
+        ready = {cache.ready[s].t for s in slots}
+        assert ready == {streams.dequant.t}
+        assert streams.dequant.t >= streams.copy.t and (streams.copy.t > 50.0) == more
+        assert waits.count(streams.dequant) == 1 + more  # its one staging chunk's copies; and the caller's
+
+
 def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache():
     """Quantized copies run ahead into staging, so a call that needs more experts than the cache holds fetches them
     in groups of the whole cache (half as many groups, each costing the host to queue); bf16 copies land in the

@@ -190,16 +190,19 @@ class ExpertCache:
             self.stats.copies[phase] += len(slots)
             self.stats.bytes[phase] += len(slots) * store.row_bytes
         if seal:
-            self.seal(slots, stream)
+            self.seal(slots, stream, more=False)
         return slots
 
-    def seal(self, slots: list[int], stream=None) -> None:
-        """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and more) has run, and the
-        dequantization of what the last fetch copied, if its store is quantized."""
-        ready = self.streams.record(stream or self.streams.copy)
+    def seal(self, slots: list[int], stream=None, more: bool = True) -> None:
+        """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and ``more`` the caller
+        queued after them) has run, and the dequantization of what the last fetch copied, if its store is quantized
+        (which waited for its copies already: with nothing more, only its end is marked)."""
         if self._dequantizing:
-            self.streams.wait(self.streams.dequant, ready)
+            if more:
+                self.streams.wait(self.streams.dequant, self.streams.record(stream or self.streams.copy))
             ready = self.streams.record(self.streams.dequant)
+        else:
+            ready = self.streams.record(stream or self.streams.copy)
         self._dequantizing = False
         for s in slots:
             self.ready[s] = ready
