@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING
@@ -45,7 +46,7 @@ class Streams:
         # the runtime call queues on the current device's context: the engine's device must be current
         runtime = cuda_runtime() if self.cuda and device.index in (None, torch.cuda.current_device()) else None
         self._memcpy = runtime_memcpy(runtime) if runtime is not None else None
-        self._batch = runtime_memcpy_batch(runtime) if runtime is not None else None
+        self._batch = _checked(runtime_memcpy_batch(runtime), device) if runtime is not None else None
 
     @property
     def cache_device(self) -> torch.device:
@@ -162,6 +163,29 @@ def runtime_memcpy_batch(runtime: ctypes.CDLL):
         return fn(dsts, srcs, count_sizes, count, ctypes.byref(attributes), first, 1, *failed, stream)
 
     return batch
+
+
+_BATCH_WORKS: dict[int, bool] = {}  # device index -> whether a probe's batched copies landed where asked
+
+
+def _checked(batch, device: torch.device):
+    """``batch`` if two copies of one batched call land where asked on ``device`` (probed once a process and device:
+    a runtime that refuses the call, or moves the wrong bytes, leaves the engine a copy at a time), else None."""
+    if batch is None:
+        return None
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _BATCH_WORKS:
+        src = torch.arange(32, dtype=torch.uint8).view(2, 16).pin_memory()  # 2 rows of 16 bytes
+        dst = torch.zeros(2, 16, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+        error = batch((ctypes.c_void_p * 2)(dst.data_ptr(), dst.data_ptr() + 16),
+                      (ctypes.c_void_p * 2)(src.data_ptr() + 16, src.data_ptr()), (ctypes.c_size_t * 2)(16, 16), 2,
+                      stream.cuda_stream)
+        stream.synchronize()
+        _BATCH_WORKS[index] = not error and torch.equal(dst.cpu(), src.flip(0))
+        if not _BATCH_WORKS[index]:
+            warnings.warn(f"cudaMemcpyBatchAsync failed a probe (CUDA error {error}); expert copies go one at a time")
+    return batch if _BATCH_WORKS[index] else None
 
 
 class SpanTimer:
