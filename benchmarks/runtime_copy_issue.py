@@ -9,10 +9,10 @@ k copies (the host's issue time only; the device drains the copies untimed betwe
   registered      the same, rows in pageable memory registered with cudaHostRegister (no allocator event)
   foreach         torch._foreach_copy_ of the group in one call
   cudart          cudaMemcpyAsync called through ctypes on raw pointers (the engine's ``runtime_memcpy``)
-  cudart batch    one cudaMemcpyBatchAsync of the group (the engine's ``Streams.copy_runs``; CUDA 12.8 and later)
+  cudart batch    one cudaMemcpyBatchAsync of the group through ctypes, its pointer arrays built per group
+                  (CUDA 12.8 and later; the engine does not use it: it gained nothing in a decode step, docs)
   cache.fetch     the engine's ExpertCache.fetch of the group (victims, bookkeeping, waits, copies, event), its
-                  experts not consecutive (a copy each), through the batched call where there is one
-  cache.fetch unbatched   the same, a cudaMemcpyAsync a copy
+                  experts not consecutive (a copy each)
 
 Then the device's side, as PCIe bandwidth of whole groups issued each way (cudart, cudart batch), waited for.
 
@@ -21,6 +21,7 @@ Then the device's side, as PCIe bandwidth of whole groups issued each way (cudar
 
 from __future__ import annotations
 
+import ctypes
 import statistics
 import time
 
@@ -28,8 +29,38 @@ import torch
 
 from duoserve.bench.results import parser, write_result
 from duoserve.runtime.cache import ExpertCache
-from duoserve.runtime.store import ExpertLayout, HostExperts, Rows
+from duoserve.runtime.store import ExpertLayout, HostExperts
 from duoserve.runtime.streams import Streams, cuda_runtime, runtime_memcpy
+
+
+class CopyAttributes(ctypes.Structure):
+    """``cudaMemcpyAttributes``: source access order, source and destination location hints, flags."""
+
+    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", ctypes.c_int * 2), ("dst_hint", ctypes.c_int * 2),
+                ("flags", ctypes.c_uint)]
+
+
+def memcpy_batch(runtime: ctypes.CDLL):
+    """``runtime``'s ``cudaMemcpyBatchAsync`` as ``batch(dst_ptrs, src_ptrs, nbytes, stream) -> error``, every copy of
+    ``nbytes`` with stream-ordered sources; None before CUDA 12.8. CUDA 13 dropped its ``failIdx`` argument."""
+    version = ctypes.c_int()
+    fn = getattr(runtime, "cudaMemcpyBatchAsync", None)
+    if fn is None or runtime.cudaRuntimeGetVersion(ctypes.byref(version)) or version.value < 12080:
+        return None
+    pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
+    fail = [(ctypes.c_size_t * 1)()] if version.value < 13000 else []
+    fn.argtypes = [pointers, pointers, sizes, ctypes.c_size_t, ctypes.POINTER(CopyAttributes), sizes, ctypes.c_size_t,
+                   *[sizes] * len(fail), ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    attributes, first = CopyAttributes(1), (ctypes.c_size_t * 1)(0)  # 1: cudaMemcpySrcAccessOrderStream
+
+    def batch(dst_ptrs: list[int], src_ptrs: list[int], nbytes: int, stream: int) -> int:
+        n = len(dst_ptrs)
+        dsts, srcs = (ctypes.c_void_p * n)(*dst_ptrs), (ctypes.c_void_p * n)(*src_ptrs)
+        sizes = (ctypes.c_size_t * n)(*[nbytes] * n)
+        return fn(dsts, srcs, sizes, n, ctypes.byref(attributes), first, 1, *fail, stream)
+
+    return batch
 
 
 def main() -> None:
@@ -50,18 +81,15 @@ def main() -> None:
     runtime = cuda_runtime()
     if runtime is None:
         raise SystemExit("torch's CUDA runtime is not a shared library in this process: no direct copies to time")
-    memcpy = runtime_memcpy(runtime)  # what the engine calls
+    memcpy, batched = runtime_memcpy(), memcpy_batch(runtime)  # what the engine calls; the batched call
+    if batched is None:
+        raise SystemExit("this CUDA runtime has no cudaMemcpyBatchAsync (CUDA 12.8 and later)")
     handle, nbytes = stream.cuda_stream, P * 2
     src_ptrs, dst_ptrs = [r.data_ptr() for r in rows], [r.data_ptr() for r in slot_rows]
 
     layout = ExpertLayout(("w",), ((P,),), (0,), P, torch.bfloat16)
     store = HostExperts(layout, packed=pinned)
-    engine = Streams(device)
-    if engine._batch is None:
-        raise SystemExit("this CUDA runtime has no cudaMemcpyBatchAsync (CUDA 12.8 and later)")
-    unbatched = Streams(device)
-    unbatched._batch = None
-    caches = {name: ExpertCache(layout, 2 * k, streams) for name, streams in (("batch", engine), ("one", unbatched))}
+    cache = ExpertCache(layout, 2 * k, Streams(device))
     scattered = list(range(0, E, 2))  # no two consecutive: a copy each
 
     def torch_copy(g: int) -> None:
@@ -81,16 +109,16 @@ def main() -> None:
             if memcpy(dst_ptrs[(g + i) % (2 * k)], src_ptrs[(g * k + i) % E], nbytes, 1, handle):
                 raise RuntimeError("cudaMemcpyAsync failed")
 
-    src_rows, dst_rows = Rows(pinned), Rows(slots)
-
     def batch(g: int) -> None:
-        engine.copy_runs(dst_rows, src_rows, [((g * k + i) % E, (g + i) % (2 * k), 1) for i in range(k)], stream)
+        if batched([dst_ptrs[(g + i) % (2 * k)] for i in range(k)], [src_ptrs[(g * k + i) % E] for i in range(k)],
+                   nbytes, handle):
+            raise RuntimeError("cudaMemcpyBatchAsync failed")
 
-    def fetch(name: str):
-        return lambda g: caches[name].fetch(g, scattered, store, "decode", set())
+    def fetch(g: int) -> None:
+        cache.fetch(g, scattered, store, "decode", set())
 
     variants = {"torch copy_": torch_copy, "registered": registered, "foreach": foreach, "cudart": direct,
-                "cudart batch": batch, "cache.fetch": fetch("batch"), "cache.fetch unbatched": fetch("one")}
+                "cudart batch": batch, "cache.fetch": fetch}
     times = {name: [] for name in variants}
     for g in range(args.groups):  # interleaved, so drift in the host's pace hits every variant alike
         for name, issue in variants.items():

@@ -15,7 +15,7 @@ import torch
 
 from duoserve.bench.costs import Costs
 from duoserve.runtime.quant import stage_chunk, stored_nbytes
-from duoserve.runtime.store import ExpertLayout
+from duoserve.runtime.store import ExpertLayout, runs
 from duoserve.runtime.streams import NullTimers
 
 
@@ -99,34 +99,41 @@ class SimStore:
         self.chunk = stage_chunk(layout)  # experts a quantized fetch dequantizes per pass
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
-        """n experts, each costing the host its fetch (``host_ms``: its books and its share of the copies' queueing),
-        then copied on ``stream`` (``copy`` an expert) in one batched call (``Streams.copy_runs``): they start once
-        the host has queued them, ending at max(t0, h + n host) + n copy for a stream at t0 and the host at h."""
+        """n experts in r copies (``runs``: a stretch of consecutive experts into consecutive slots is one), each
+        queued by the host (``host_ms``) and then run on ``stream`` (``copy`` an expert): in closed form, the last
+        ends at max(t0 + n copy, h + host + n copy, h + r host + last copy) for a stream at t0 and the host at h
+        (the latest of the stream's own work, the first copy's queueing and the last one's)."""
         costs, n = self.costs, len(experts)
         if self.packed is None:  # a blocking copy from pageable memory per parameter, each waited for
             streams.run(stream, n * costs.module_copy_ms, copy=True)
             streams.block(stream)
             return
-        streams.host += n * self.host_ms
-        copy = costs.copy_ms(self.row_bytes)
-        if not self.dequantizes:
-            streams.run(stream, n * copy, copy=True)
+        host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
+        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each
+            # chunk dequantized on its own stream once it lands (its rows then copied into their slots, a copy per
+            # stretch); a buffer is refilled once its last chunk is read
+            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None, None]})
+            step = max(self.chunk, 1)
+            for i in range(0, n, step):
+                chunk, targets = experts[i:i + step], slots[i:i + step]
+                staging["next"] ^= 1
+                streams.wait(stream, staging["read"][staging["next"]])
+                for *_, count in runs(chunk, range(len(chunk))):
+                    streams.host += host
+                    streams.run(stream, count * copy, copy=True)
+                streams.wait(streams.dequant, streams.record(stream))
+                streams.run(streams.dequant, len(chunk) * costs.dequant_ms[self.fmt])
+                if self.chunk > 1:
+                    streams.host += host * len(runs(range(len(targets)), targets))
+                staging["read"][staging["next"]] = streams.record(streams.dequant)
             return
-        # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each chunk dequantized on its
-        # own stream once it lands (its rows then copied into their slots: one more batched call); a buffer is
-        # refilled once its last chunk is read
-        staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None, None]})
-        step = max(self.chunk, 1)
-        for i in range(0, n, step):
-            count = min(step, n - i)
-            staging["next"] ^= 1
-            streams.wait(stream, staging["read"][staging["next"]])
-            streams.run(stream, count * copy, copy=True)
-            streams.wait(streams.dequant, streams.record(stream))
-            streams.run(streams.dequant, count * costs.dequant_ms[self.fmt])
-            if self.chunk > 1:
-                streams.host += costs.copy_host_ms
-            staging["read"][staging["next"]] = streams.record(streams.dequant)
+        spans = runs(experts, slots)
+        h = streams.host
+        streams.host = h + len(spans) * host
+        start = stream.t
+        stream.t = max(start + n * copy, h + host + n * copy, h + len(spans) * host + spans[-1][2] * copy)
+        if stream is streams.compute:
+            streams.stall_ms += n * copy
 
 
 class SimSections:

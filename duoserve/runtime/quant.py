@@ -226,14 +226,16 @@ class QuantizedExperts(HostExperts):
             chunk, targets = experts[i:i + step], slots[i:i + step]
             n, b = len(chunk), stage.flip()
             streams.wait(stream, stage.read[b])  # its last dequantization has read this staging buffer
-            streams.copy_runs(stage.stored[b], self.rows, runs(chunk, range(n)), stream)
+            for e, j, count in runs(chunk, range(n)):
+                streams.copy_to_device(stage.stored[b].span(j, count), self.rows.span(e, count), stream)
             streams.wait(work, streams.record(stream))
             with streams.on(work):
                 if self.chunk < 2:  # an expert over STAGE_BYTES: straight into its slot
                     dequantize(stage.stored[b].table[:1], self.qlayout, self.layout, rows.span(targets[0])[None])
                 else:
                     stage.dequantize(b, n)
-                    streams.copy_runs(rows, stage.rows[b], runs(range(n), targets), work)
+                    for j, s, count in runs(range(n), targets):  # the runtime's copy: less host time than ``copy_``
+                        streams.copy_to_device(rows.span(s, count), stage.rows[b].span(j, count), work)
             stage.read[b] = streams.record(work)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:

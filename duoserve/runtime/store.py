@@ -68,7 +68,6 @@ class Rows:
     def __init__(self, table: torch.Tensor):
         self.table = table  # N x P
         self._one = list(table.unbind(0))  # N views of P
-        self.ptr, self.row_nbytes = table.data_ptr(), table.shape[1] * table.element_size()  # for batched copies
 
     def span(self, start: int, count: int = 1) -> torch.Tensor:
         """Rows ``start`` .. ``start + count - 1`` (P, or count x P)."""
@@ -131,10 +130,11 @@ class HostExperts:
                    scratch: dict) -> None:
         """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S x P rows) on ``stream``:
         packed and pinned, one asynchronous copy per stretch of consecutive experts into consecutive slots
-        (``runs``), all in one batched call where the runtime has one (``Streams.copy_runs``); per module, one blocking copy per parameter and expert. ``scratch``: the cache's buffers for
+        (``runs``); per module, one blocking copy per parameter and expert. ``scratch``: the cache's buffers for
         stores that stage their copies."""
         if self.packed is not None:
-            streams.copy_runs(rows, self.rows, runs(experts, slots), stream)
+            for e, s, n in runs(experts, slots):
+                streams.copy_to_device(rows.span(s, n), self.rows.span(e, n), stream)
             return
         with streams.on(stream):
             for e, s in zip(experts, slots):

@@ -9,25 +9,16 @@ CPU every operation runs in program order, so events are ``None`` and waits do n
 Expert copies go straight to ``cudaMemcpyAsync`` of the CUDA runtime torch itself loaded: at batch 1 a
 decode step is host-bound and queues k copies a layer, and torch's ``copy_`` costs the host more per copy
 (docs/benchmarks.md, "host cost of one expert copy"). Where that runtime cannot be found, ``copy_`` is used.
-A group of copies (``copy_runs``: a fetch's experts, a quantized fetch's staged rows into their slots) is one
-``cudaMemcpyBatchAsync`` call where the runtime has it (CUDA 12.8 and later), one host call where it took one a
-copy; the copies of a batch run in stream order as a whole, in no order among themselves, which a group's
-copies (disjoint rows) allow.
 """
 
 from __future__ import annotations
 
 import ctypes
 import time
-import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from typing import TYPE_CHECKING
 
 import torch
-
-if TYPE_CHECKING:
-    from duoserve.runtime.store import Rows
 
 
 class Streams:
@@ -44,9 +35,8 @@ class Streams:
         else:
             self.compute = self.copy = self.predict = self.dequant = None
         # the runtime call queues on the current device's context: the engine's device must be current
-        runtime = cuda_runtime() if self.cuda and device.index in (None, torch.cuda.current_device()) else None
-        self._memcpy = runtime_memcpy(runtime) if runtime is not None else None
-        self._batch = _checked(runtime_memcpy_batch(runtime), device) if runtime is not None else None
+        self._memcpy = runtime_memcpy() if self.cuda and device.index in (None, torch.cuda.current_device()) \
+            else None
 
     @property
     def cache_device(self) -> torch.device:
@@ -73,11 +63,8 @@ class Streams:
 
     @property
     def copy_path(self) -> str:
-        """How copies are queued: "cudaMemcpyAsync" (the runtime, directly; "+ cudaMemcpyBatchAsync" where a group's
-        copies go in one call, ``copy_runs``) or "torch copy_"."""
-        if self._memcpy is None:
-            return "torch copy_"
-        return "cudaMemcpyAsync" if self._batch is None else "cudaMemcpyAsync + cudaMemcpyBatchAsync"
+        """How ``copy_to_device`` queues a copy: "cudaMemcpyAsync" (the runtime, directly) or "torch copy_"."""
+        return "torch copy_" if self._memcpy is None else "cudaMemcpyAsync"
 
     def copy_to_device(self, dst: torch.Tensor, src: torch.Tensor, stream) -> None:
         """Queue the copy of host or device tensor ``src`` into device tensor ``dst`` (both contiguous, same size)
@@ -90,21 +77,6 @@ class Streams:
         elif error := self._memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes,
                                    _DEVICE_TO_DEVICE if src.is_cuda else _HOST_TO_DEVICE, stream.cuda_stream):
             raise RuntimeError(f"cudaMemcpyAsync failed with CUDA error {error}")
-
-    def copy_runs(self, dst: Rows, src: Rows, spans: list[tuple[int, int, int]], stream) -> None:
-        """Queue on ``stream`` the copy of each span (first row of ``src``, first row of ``dst``, count) of two
-        tables of equal rows: one batched runtime call for several spans where the runtime has it (the module
-        docstring), else one ``copy_to_device`` a span."""
-        if self._batch is None or len(spans) == 1 or not stream.cuda_stream:  # no batch on the legacy stream
-            for s, d, n in spans:
-                self.copy_to_device(dst.span(d, n), src.span(s, n), stream)
-            return
-        size, count = src.row_nbytes, len(spans)
-        dsts = (ctypes.c_void_p * count)(*[dst.ptr + d * size for _, d, _ in spans])
-        srcs = (ctypes.c_void_p * count)(*[src.ptr + s * size for s, _, _ in spans])
-        sizes = (ctypes.c_size_t * count)(*[n * size for _, _, n in spans])
-        if error := self._batch(dsts, srcs, sizes, count, stream.cuda_stream):
-            raise RuntimeError(f"cudaMemcpyBatchAsync failed with CUDA error {error}")
 
     def synchronize(self) -> None:
         if self.cuda:
@@ -125,67 +97,13 @@ def cuda_runtime() -> ctypes.CDLL | None:
         return None
 
 
-def runtime_memcpy(runtime: ctypes.CDLL):
-    """``runtime``'s ``cudaMemcpyAsync``, or None where it has none."""
-    memcpy = getattr(runtime, "cudaMemcpyAsync", None)
+def runtime_memcpy():
+    """``cudaMemcpyAsync`` of ``cuda_runtime()``, or None where there is none."""
+    memcpy = getattr(cuda_runtime(), "cudaMemcpyAsync", None)
     if memcpy is not None:
         memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         memcpy.restype = ctypes.c_int
     return memcpy
-
-
-class _CopyAttributes(ctypes.Structure):
-    """``cudaMemcpyAttributes``: source access order, source and destination location hints, flags."""
-
-    _fields_ = [("src_access_order", ctypes.c_int), ("src_hint", ctypes.c_int * 2), ("dst_hint", ctypes.c_int * 2),
-                ("flags", ctypes.c_uint)]
-
-
-_SRC_ACCESS_ORDER_STREAM = 1  # cudaMemcpySrcAccessOrderStream: sources read in stream order, as a plain copy does
-
-
-def runtime_memcpy_batch(runtime: ctypes.CDLL):
-    """``runtime``'s ``cudaMemcpyBatchAsync`` as ``batch(dsts, srcs, sizes, count, stream) -> error``, every copy
-    with stream-ordered sources; None before CUDA 12.8, which lacks it. CUDA 13 dropped its ``failIdx`` argument."""
-    version = ctypes.c_int()
-    fn = getattr(runtime, "cudaMemcpyBatchAsync", None)
-    if fn is None or runtime.cudaRuntimeGetVersion(ctypes.byref(version)) or version.value < 12080:
-        return None
-    pointers, sizes = ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_size_t)
-    fail = [sizes] if version.value < 13000 else []
-    fn.argtypes = [pointers, pointers, sizes, ctypes.c_size_t, ctypes.POINTER(_CopyAttributes), sizes,
-                   ctypes.c_size_t, *fail, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-    attributes, first = _CopyAttributes(_SRC_ACCESS_ORDER_STREAM), (ctypes.c_size_t * 1)(0)
-    failed = [(ctypes.c_size_t * 1)()] if fail else []
-
-    def batch(dsts, srcs, count_sizes, count: int, stream: int) -> int:
-        return fn(dsts, srcs, count_sizes, count, ctypes.byref(attributes), first, 1, *failed, stream)
-
-    return batch
-
-
-_BATCH_WORKS: dict[int, bool] = {}  # device index -> whether a probe's batched copies landed where asked
-
-
-def _checked(batch, device: torch.device):
-    """``batch`` if two copies of one batched call land where asked on ``device`` (probed once a process and device:
-    a runtime that refuses the call, or moves the wrong bytes, leaves the engine a copy at a time), else None."""
-    if batch is None:
-        return None
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if index not in _BATCH_WORKS:
-        src = torch.arange(32, dtype=torch.uint8).view(2, 16).pin_memory()  # 2 rows of 16 bytes
-        dst = torch.zeros(2, 16, dtype=torch.uint8, device=device)
-        stream = torch.cuda.Stream(device)
-        error = batch((ctypes.c_void_p * 2)(dst.data_ptr(), dst.data_ptr() + 16),
-                      (ctypes.c_void_p * 2)(src.data_ptr() + 16, src.data_ptr()), (ctypes.c_size_t * 2)(16, 16), 2,
-                      stream.cuda_stream)
-        stream.synchronize()
-        _BATCH_WORKS[index] = not error and torch.equal(dst.cpu(), src.flip(0))
-        if not _BATCH_WORKS[index]:
-            warnings.warn(f"cudaMemcpyBatchAsync failed a probe (CUDA error {error}); expert copies go one at a time")
-    return batch if _BATCH_WORKS[index] else None
 
 
 class SpanTimer:
