@@ -16,7 +16,7 @@ import torch
 from duoserve.bench.costs import Costs
 from duoserve.runtime.quant import stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, runs
-from duoserve.runtime.streams import NullTimers
+from duoserve.runtime.streams import CpuSections, NullTimers
 
 
 class _Event(NamedTuple):
@@ -136,36 +136,9 @@ class SimStore:
             streams.stall_ms += n * copy
 
 
-class SimSections:
-    """The engine's host sections (``streams.CpuSections``) timed on the simulated host clock: where the simulation
-    spends its host time, by the names the engine's own timers give (``duoserve-run bench`` records those)."""
-
-    def __init__(self, streams: SimStreams):
-        self.streams, self.ms = streams, {}
-
-    def __call__(self, name: str) -> _SimSection:
-        return _SimSection(self, name)
-
-    def add(self, name: str, ms: float) -> None:
-        self.ms[name] = self.ms.get(name, 0.0) + ms
-
-
-class _SimSection:
-    __slots__ = ("name", "sections", "start")
-
-    def __init__(self, sections: SimSections, name: str):
-        self.sections, self.name = sections, name
-
-    def __enter__(self) -> None:
-        self.start = self.sections.streams.host
-
-    def __exit__(self, *exc) -> None:
-        self.sections.add(self.name, self.sections.streams.host - self.start)
-
-
 class SimTimers:
-    """``EngineTimers`` for a simulation: host sections on the simulated clock (``SimSections``), no device spans
-    (the simulator keeps its stalls itself)."""
+    """``EngineTimers`` for a simulation: the engine's host sections (``streams.CpuSections``) on the simulated host
+    clock, by the names a ``duoserve-run bench`` run records; no device spans (the simulator keeps its stalls)."""
 
     stall = predict = NullTimers.stall
 
@@ -174,7 +147,7 @@ class SimTimers:
         self.reset()
 
     def reset(self) -> None:
-        self.cpu = SimSections(self.streams)
+        self.cpu = CpuSections(lambda: self.streams.host)
 
 
 class SimCompute:

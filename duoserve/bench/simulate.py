@@ -185,6 +185,7 @@ class Simulator:
         stores = [SimStore(shape.layout, costs, policy.pinned, expert_dtype) for _ in range(L)]
         deployed, next_gate = None, None
         self._trained: _TimedPredictor | None = None  # a trained predictor, whose scores are computed ahead
+        self.predictor_seconds = 0.0  # this process's seconds spent computing them (``predict_ahead``)
         if policy.predict and predictor != "none":
             if predictor.startswith("oracle"):
                 deployed = OraclePredictor(self._routing, L, E, oracle_recall(predictor), seed)
@@ -218,10 +219,11 @@ class Simulator:
     def predict_ahead(self, passes: list[Pass]) -> None:
         """Compute a trained predictor's scores for every decode pass of ``passes`` at once, each (target, depth)
         that the decode prefetch asks at some layer (``forward`` then reads them: one batched call, not one per
-        layer; nothing for an oracle or no predictor)."""
+        layer; nothing for an oracle or no predictor); its seconds are added to ``predictor_seconds``."""
         plan = self.scheduler.prefetch
         if self._trained is None or plan is None:
             return
+        started = time.perf_counter()
         asks = [(l, t) for l in range(self.shape.num_layers) for t in plan.targets(l)]  # (layer, target)
         table = []
         for p in passes:
@@ -234,6 +236,7 @@ class Simulator:
                 table.append((id(p), history, t, t - l, features))
         self._nextgate = None
         self._trained.fill(table)
+        self.predictor_seconds += time.perf_counter() - started
 
     def forward(self, p: Pass) -> float:
         """Simulate one forward pass; its wall milliseconds (host clock, the pass's token read at its end)."""
@@ -362,8 +365,8 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     seconds and, of those, the seconds a trained predictor spent scoring (its inference on the host,
     ``predictor_seconds``)."""
     ttft, tpot, tokens, warm, prompts = [], [], 0, False, []
-    started, scoring = time.perf_counter(), [0.0]
-    for index, p in _predicted_ahead(sim, passes, scoring):
+    started, scored = time.perf_counter(), sim.predictor_seconds
+    for index, p in _predicted_ahead(sim, passes):
         if index >= 0 and warm:  # the timed generation starts on an idle device, its counters from zero
             sim.streams.synchronize()
             sim.reset_stats()
@@ -380,21 +383,17 @@ def run(sim: Simulator, passes: Iterable[tuple[int, Pass]]) -> dict:
     seconds = time.perf_counter() - started
     return {"ttft_ms": _summary(ttft), "tpot_ms": _summary(tpot), "tokens": tokens,
             "token_layers": tokens * sim.shape.num_layers, "decode_steps": len(tpot),
-            "sim_seconds": seconds, "predictor_seconds": scoring[0], "peak_expert_bytes": stats["cache_bytes"],
-            "prefill_points": prompts,
+            "sim_seconds": seconds, "predictor_seconds": sim.predictor_seconds - scored,
+            "peak_expert_bytes": stats["cache_bytes"], "prefill_points": prompts,
             **{key: stats[key] for key in ("cache_slots", "pinned_experts", "bytes_h2d", "copies", "hit_rate",
                                            "prefetched", "prefetch_precision", "stall_ms", "host_ms")}}
 
 
-def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], seconds: list[float],
-                     chunk: int = 64) -> Iterator[tuple[int, Pass]]:
-    """``passes`` as they come, a trained predictor's scores computed ``chunk`` passes at a time before they run
-    (their seconds added to ``seconds[0]``)."""
+def _predicted_ahead(sim: Simulator, passes: Iterable[tuple[int, Pass]], chunk: int = 64) -> Iterator[tuple[int, Pass]]:
+    """``passes`` as they come, a trained predictor's scores computed ``chunk`` passes at a time before they run."""
     it = iter(passes)
     while block := list(itertools.islice(it, chunk)):
-        start = time.perf_counter()
         sim.predict_ahead([p for _, p in block])
-        seconds[0] += time.perf_counter() - start
         yield from block
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -138,23 +138,28 @@ class SpanTimer:
 
 
 class CpuSections:
-    """Host wall time per named section of the engine (where the CPU waits or works between launches)."""
+    """Host time per named section of the engine (where the CPU waits or works between launches), in milliseconds of
+    ``clock`` (default: wall time; the offload simulator gives its simulated host clock)."""
 
-    def __init__(self):
+    def __init__(self, clock: Callable[[], float] = lambda: time.perf_counter() * 1e3):
         self.ms: dict[str, float] = {}
+        self.clock = clock
 
     def __call__(self, name: str) -> _Section:
-        return _Section(self.ms, name)
+        return _Section(self, name)
+
+    def add(self, name: str, ms: float) -> None:
+        self.ms[name] = self.ms.get(name, 0.0) + ms
 
 
 class _Section:
     """One timed section: a plain class, as a generator-based context costs more host time per use, and a decode
     step enters several sections a layer."""
 
-    __slots__ = ("mark", "ms", "name", "start")
+    __slots__ = ("mark", "name", "sections", "start")
 
-    def __init__(self, ms: dict[str, float], name: str):
-        self.ms, self.name = ms, name
+    def __init__(self, sections: CpuSections, name: str):
+        self.sections, self.name = sections, name
 
     def __enter__(self) -> None:
         # named in a profiler's trace when one records (benchmarks/runtime_profile.py); one flag read otherwise
@@ -162,10 +167,10 @@ class _Section:
             if torch.autograd.profiler._is_profiler_enabled else None
         if self.mark is not None:
             self.mark.__enter__()
-        self.start = time.perf_counter()
+        self.start = self.sections.clock()
 
     def __exit__(self, *exc) -> None:
-        self.ms[self.name] = self.ms.get(self.name, 0.0) + (time.perf_counter() - self.start) * 1e3
+        self.sections.add(self.name, self.sections.clock() - self.start)
         if self.mark is not None:
             self.mark.__exit__(*exc)
 
