@@ -25,8 +25,7 @@ class _Event(NamedTuple):
 
     def synchronize(self) -> None:
         """The host waits for it."""
-        if self.t > self.owner.host:
-            self.owner.host = self.t
+        self.owner.host = max(self.owner.host, self.t)
 
 
 class _Clock:
@@ -56,26 +55,20 @@ class SimStreams:
     def on(self, stream):
         return nullcontext()
 
-    # the clocks' arithmetic takes conditionals, not max(): a simulation calls these millions of times, and a
-    # builtin call costs several times a comparison
-
     def record(self, stream=None) -> _Event:
-        t = (stream or self.compute).t
-        return _Event(self, t if t > self.host else self.host)
+        return _Event(self, max((stream or self.compute).t, self.host))
 
     def wait(self, stream: _Clock, event: _Event | None) -> None:
         if event is None:
             return
-        start = stream.t if stream.t > self.host else self.host
-        if event.t > start:
-            if stream is self.compute:
-                self.stall_ms += event.t - start
-            start = event.t
-        stream.t = start
+        start = max(stream.t, self.host)
+        if event.t > start and stream is self.compute:
+            self.stall_ms += event.t - start
+        stream.t = max(start, event.t)
 
     def run(self, stream: _Clock, ms: float, copy: bool = False) -> None:
         """``ms`` of work queued now on ``stream``; a ``copy`` on the compute stream stalls its compute."""
-        stream.t = (stream.t if stream.t > self.host else self.host) + ms
+        stream.t = max(stream.t, self.host) + ms
         if copy and stream is self.compute:
             self.stall_ms += ms
 
@@ -83,13 +76,11 @@ class SimStreams:
         """Work the host spends ``wall_ms`` launching onto the compute stream, ``device_ms`` of kernels there: they
         run as the host launches them (behind what the stream holds), ending no earlier than the last launch."""
         start, self.host = self.host, self.host + wall_ms
-        end = (self.compute.t if self.compute.t > start else start) + device_ms
-        self.compute.t = end if end > self.host else self.host
+        self.compute.t = max(max(self.compute.t, start) + device_ms, self.host)
 
     def block(self, stream: _Clock) -> None:
         """The host waits for ``stream``'s work so far."""
-        if stream.t > self.host:
-            self.host = stream.t
+        self.host = max(self.host, stream.t)
 
     def synchronize(self) -> None:
         self.host = max(self.host, self.compute.t, self.copy.t, self.predict.t, self.dequant.t)

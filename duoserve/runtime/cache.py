@@ -178,14 +178,12 @@ class ExpertCache:
         writer = self.streams.dequant if self._dequantizing else stream
         for event in {id(f): f for f in map(self.free.__getitem__, slots)}.values():
             self.streams.wait(writer, event)
-        clock = self.clock
         for e, s, score in zip(experts, slots, wanted or [0.0] * len(slots)):
-            if (old := key[s]) is not None:
-                del slot_of[old]
+            if key[s] is not None:
+                del slot_of[key[s]]
             key[s] = new = (layer, e)
             slot_of[new] = s
-            used[s] = clock
-            scores[s] = score
+            used[s], scores[s] = self.clock, score
         self._touch(slots)
         store.copy_group(experts, slots, self.rows, self.streams, stream, self.scratch)
         if phase is not None:
