@@ -92,7 +92,8 @@ class GraphedPredictor:
     ``device`` to share between the graphs of several batch sizes (then ``sparse`` and ``dtype`` are the module's own).
 
     ``__call__(history, target[, nextgate, nextgate_scores, depth])`` copies the inputs into static buffers, replays
-    the graph on the current stream, and returns the static output (valid until the next call).
+    the graph on the current stream, and returns the static output (valid until the next call); ``replay`` does the
+    same with the target layers and depths given as one 2 x B tensor (a launch fewer: the runtime's call).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
@@ -106,8 +107,9 @@ class GraphedPredictor:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
         self.model = module
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
-        self.target = torch.ones(batch_size, dtype=torch.long, device=device)
-        self.depth = torch.ones(batch_size, dtype=torch.long, device=device)
+        # 2 x B: each example's target layer and depth, in one buffer so that ``replay`` fills both in one copy
+        self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)
+        self.target, self.depth = self.where  # B, B: views the graph reads
         self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if s.uses_nextgate else None
         self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if s.uses_scores else None
         self.budget = budget or s.top_k
@@ -151,12 +153,19 @@ class GraphedPredictor:
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
                  nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
-        self.history.copy_(history, non_blocking=True)
         self.target.copy_(target, non_blocking=True)
         if depth is None:
             self.depth.fill_(1)
         else:
             self.depth.copy_(depth, non_blocking=True)
+        return self.replay(history, None, nextgate, nextgate_scores)
+
+    def replay(self, history: torch.Tensor, where: torch.Tensor | None, nextgate: torch.Tensor | None = None,
+               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
+        """The call for ``where`` (2 x B: target layers, then depths; None: those already set)."""
+        self.history.copy_(history, non_blocking=True)
+        if where is not None:
+            self.where.copy_(where, non_blocking=True)
         for static, given in ((self.nextgate, nextgate), (self.nextgate_scores, nextgate_scores)):
             if static is not None:
                 static.copy_(given, non_blocking=True)
@@ -185,7 +194,7 @@ class TrainedPredictor:
         self.predictor, self.compile = predictor, compile
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[tuple, GraphedPredictor] = {}  # (batch size, output, k) -> captured call
-        self._constants: dict[tuple[int, int, str], torch.Tensor] = {}  # (B, layer or depth, device) -> B ids
+        self._where: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (B, layer, depth, device) -> (2 x B, its rows)
 
     @property
     def nextgate(self) -> int:
@@ -214,12 +223,14 @@ class TrainedPredictor:
         return torch.cat([self.model(*(None if x is None else x[i:i + CPU_ROWS] for x in inputs))
                           for i in range(0, len(history), CPU_ROWS)])  # B x E
 
-    def _filled(self, B: int, value: int, device: torch.device) -> torch.Tensor:
-        """B copies of ``value`` on ``device``, made once (not one fill kernel per layer of every decode step)."""
-        key = (B, value, str(device))
-        if key not in self._constants:
-            self._constants[key] = torch.full((B,), value, dtype=torch.long, device=device)
-        return self._constants[key]
+    def _filled(self, B: int, target: int, depth: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """2 x B (``target`` for every example, then ``depth``) on ``device``, and its two rows: made once per call
+        shape, not fill kernels per layer of every decode step; one tensor, so a graph's copy of it is one launch."""
+        key = (B, target, depth, device)
+        if key not in self._where:
+            where = torch.tensor([[target] * B, [depth] * B], dtype=torch.long, device=device)  # 2 x B
+            self._where[key] = (where, *where)
+        return self._where[key]
 
     @torch.no_grad()
     def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
@@ -239,11 +250,11 @@ class TrainedPredictor:
               nextgate_scores: torch.Tensor | None, depth: int,
               k: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         B = len(history)
-        layer, ahead = self._filled(B, target, history.device), self._filled(B, depth, history.device)
+        where, layer, ahead = self._filled(B, target, depth, history.device)  # 2 x B, B, B
         if history.device.type != "cuda":
             scores = self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()  # B x E
             return scores if output == "scores" else top_k(scores, k)
         if (B, output, k) not in self._graphs:
             self._graphs[B, output, k] = GraphedPredictor(self.predictor, B, k, device=history.device, output=output,
                                                           compile=self.compile, module=self.model)
-        return self._graphs[B, output, k](history, layer, nextgate, nextgate_scores, ahead)
+        return self._graphs[B, output, k].replay(history, where, nextgate, nextgate_scores)
