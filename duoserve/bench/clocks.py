@@ -147,7 +147,7 @@ class SimTimers:
         self.reset()
 
     def reset(self) -> None:
-        self.cpu = CpuSections(lambda: self.streams.host)
+        self.cpu = CpuSections(lambda: self.streams.host, ms_per_tick=1.0)
 
 
 class SimCompute:

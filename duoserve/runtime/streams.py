@@ -138,12 +138,14 @@ class SpanTimer:
 
 
 class CpuSections:
-    """Host time per named section of the engine (where the CPU waits or works between launches), in milliseconds of
-    ``clock`` (default: wall time; the offload simulator gives its simulated host clock)."""
+    """Host time per named section of the engine (where the CPU waits or works between launches), in milliseconds:
+    ``clock`` read at each end, ``ms_per_tick`` of it a millisecond (default: wall time in seconds; the offload
+    simulator gives its simulated host clock, in ms). The clock is called as given, no wrapper around it: a decode
+    step enters several sections a layer."""
 
-    def __init__(self, clock: Callable[[], float] = lambda: time.perf_counter() * 1e3):
+    def __init__(self, clock: Callable[[], float] = time.perf_counter, ms_per_tick: float = 1e3):
         self.ms: dict[str, float] = {}
-        self.clock = clock
+        self.clock, self.ms_per_tick = clock, ms_per_tick
 
     def __call__(self, name: str) -> _Section:
         return _Section(self, name)
@@ -170,7 +172,8 @@ class _Section:
         self.start = self.sections.clock()
 
     def __exit__(self, *exc) -> None:
-        self.sections.add(self.name, self.sections.clock() - self.start)
+        sections, ms = self.sections, self.sections.ms  # inline, not ``add``: one call fewer a section
+        ms[self.name] = ms.get(self.name, 0.0) + (sections.clock() - self.start) * sections.ms_per_tick
         if self.mark is not None:
             self.mark.__exit__(*exc)
 
