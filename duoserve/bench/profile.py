@@ -230,9 +230,10 @@ def _routing_ms(engine: OffloadEngine) -> float:
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device,
                  launches: list[float] | None = None) -> list[tuple]:
     """(phase, tokens, host µs, experts fetched, routing µs) of each of ``engine``'s layer calls in a real generation
-    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one: the host's caches as a forward pass
-    leaves them, the device waited for before each call, so what is timed is the call's own host work, not a wait
-    for its router. ``launches``: where to add the host µs of each of its decode prefetch's predictor launches."""
+    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one, run as the bench runs it (on a static
+    KV cache where the engine replays its step graphs): the host's caches as such a forward pass leaves them, the
+    device waited for before each call, so what is timed is the call's own host work, not a wait for its router.
+    ``launches``: where to add the host µs of each of its decode prefetch's predictor launches."""
     calls = []
     run = engine.run_layer
     launch = engine.prefetch.launch if launches is not None else None
@@ -255,13 +256,15 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
 
     vocab = model.get_input_embeddings().num_embeddings
     ids = torch.randint(vocab, (batch, s.contexts[0]), device=device)
+    cache = cache_for(engine, model, s.contexts[0] + 8)
     with engine:
-        timed_generate(model, ids, torch.ones_like(ids), 2, fixed_length=True)  # warm-up: CUDA graphs captured
+        # warm-up: CUDA graphs captured (a step graph at its second decode step)
+        timed_generate(model, ids, torch.ones_like(ids), 3, fixed_length=True, cache=cache)
         engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
         if launch is not None:
             engine.prefetch.launch = timed_launch
         try:
-            timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True)
+            timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True, cache=cache)
         finally:
             del engine.run_layer
             if launch is not None:
@@ -303,7 +306,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
     def engine(slots: int) -> OffloadEngine:
-        return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(gpu_expert_budget=slots * nbytes))
+        return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(
+            gpu_expert_budget=slots * nbytes, step_graphs=s.step_graphs))
 
     every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
     hit_us = {}
@@ -323,7 +327,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
 
     launch_us = {}  # the engine's decode-time predictor launch, by batch
     with torch.no_grad():
-        predicted = OffloadEngine(model, stores, POLICIES["duoserve"], random_predictor(L, E, k))
+        predicted = OffloadEngine(model, stores, POLICIES["duoserve"], random_predictor(L, E, k),
+                                  settings=EngineSettings(step_graphs=s.step_graphs))
         for B in s.batch_sizes:
             launches: list[float] = []
             _timed_calls(predicted, model, s, B, device, launches)
@@ -352,8 +357,9 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     (few_us, few), (many_us, many) = prefill
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
     return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0), "launch": launch_us,
-            "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"]), modules, model, s,
-                                       device)}
+            "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
+                                                     settings=EngineSettings(step_graphs=s.step_graphs)),
+                                       modules, model, s, device)}
 
 
 def _module_fetch_ms(engine: OffloadEngine, stores: list[HostExperts], model, s: ProfileSettings,
