@@ -16,8 +16,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 is in it); on the CPU, its wall time
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
                 grouped, the cache looked up, one compute group queued), by phase and tokens; a decode call's
-                timed inside real generations (the host's caches as a forward pass leaves them, which costs it
-                more than a call timed alone), the device waited for before each call; ``routing_us``: the part
+                timed inside real generations run as the bench runs them (on a static KV cache, the decoder
+                layers replayed from step graphs where ``step_graphs`` is on; before version 5, eager ones), the
+                host's caches as such a forward pass leaves them (which costs a call more than one timed alone),
+                the device waited for before each call; ``routing_us``: the part
                 of it before a call queues any fetch (the engine's ``ROUTING_SECTION``): a call with misses
                 queues their copies there and spends the rest while they run (profiles before version 4 lack it;
                 the simulator then charges the whole call before the copies)
@@ -84,10 +86,11 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
+# 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache);
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 4
-READABLE_PROFILE_VERSIONS = (2, 3, 4)
+PROFILE_VERSION = 5
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
