@@ -23,8 +23,10 @@
 # Rounds: 3 of every Qwen configuration and 5 of the embedded one, interleaved (the bench's --repeats; the host's
 # speed drifts from run to run on a shared machine, by 10-40% in its per-op cost; the validation takes each
 # point's median). Profiles and benches belong on one machine instance: host costs differ between instances, and
-# a machine may be replaced between device calls, so put the profiles in every call (PART="profiles qwen-waiting
-# embedded" took 538 s on an H200: one call under its 600 s limit; qwen-recall in the next, on the same warm machine).
+# a machine may be replaced between device calls, so put the profiles in every call. With single-round profiles
+# (version 4) PART="profiles qwen-waiting embedded" took 538 s on an H200; version 5 measures the engine's host costs
+# in three rounds (one took 43 s for the embedded model on an H100), so run PART="profiles embedded" in one call and
+# qwen-waiting, qwen-recall in the next ones, on the same warm machine (each under the 600 s limit).
 # Then, on any machine: python benchmarks/simulate_validation.py (simulated against measured, the 10% table).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail

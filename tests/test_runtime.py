@@ -1093,9 +1093,19 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     out = tmp_path / "cpu.json"
     result = runner.invoke(run_app, ["profile", "--model", str(arch_models["mixtral"]), "--batch-size", "1",
                                      "--batch-size", "2", "--context", "8", "--tokens", "1", "--tokens", "16",
-                                     "--out", str(out)])
+                                     "--rounds", "2", "--out", str(out)])
     assert result.exit_code == 0, result.output
     profile = load_profile(out)
+    # the engine's host costs: each the median of its rounds (of two, their mean), every round kept
+    rounds = profile["engine_rounds"]
+    assert len(rounds) == 2
+    for i, row in enumerate(profile["call_host_us"]):
+        assert type(row["tokens"]) is int  # what every round shares is kept, not averaged
+        assert row["us"] == pytest.approx(statistics.median(r["call"][i]["us"] for r in rounds))
+    assert profile["group_host_us"] == pytest.approx(statistics.median(r["group"] for r in rounds))
+    assert profile["module_copy_ms"] == pytest.approx(statistics.median(r["module"] for r in rounds))
+    assert [r["launch_host_ms"] * 1e3 for r in profile["predictor_ms"]] == pytest.approx(
+        [statistics.median(r["launch"][str(B)] for r in rounds) for B in (1, 2)])
     assert profile["provenance"]["machine"]  # a profile says which machine it describes
     g = profile["geometry"]
     layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]

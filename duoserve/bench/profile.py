@@ -49,6 +49,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 decoder layers; the wall time on the CPU)
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
+The engine's host costs (``call_host_us``, ``fetch_host_us``, ``group_host_us``, ``module_copy_ms``, and
+``predictor_ms``' ``launch_host_ms``) are each the median of ``rounds`` rounds of them, one after another (a
+host's speed drifts between minutes, and one round is one sample of it: two single-round profiles of one H100,
+minutes apart, read 1.5x apart on a decode call); ``engine_rounds`` (not required) keeps each round's.
 Not required (files without it are read): ``host_op_us``, the host's pace while it was measured, in microseconds
 per small tensor op (the bench's own gauge, ``harness.host_op_us``, sampled before each section): the median,
 least and most, and each sample by the section it preceded (``sections``; ``end``: after the last), so a cost
@@ -86,7 +90,8 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-# 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache);
+# 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
+# each the median of rounds;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
 PROFILE_VERSION = 5
@@ -108,11 +113,12 @@ class ProfileSettings:
     copy_mb: list[float] = field(default_factory=lambda: [1.0, 4.0, 16.0, 64.0])  # besides one expert's size
     repeats: int = 5
     step_graphs: bool = True  # on a GPU, layers' decode calls replayed from step graphs, as the engine runs them
+    rounds: int = 3  # of the engine's host costs, each the median of its rounds
 
     def __post_init__(self):
-        if self.layers < 2 or self.repeats < 1:
+        if self.layers < 2 or self.repeats < 1 or self.rounds < 1:
             raise ValueError("a profile builds at least 2 decoder layers (per-layer costs are fitted from two "
-                             "depths) and repeats at least once")
+                             "depths), repeats at least once and measures the engine's costs in at least one round")
         if min(self.batch_sizes + self.contexts + self.tokens) < 1 or min(self.copy_mb) <= 0:
             raise ValueError("batch sizes, contexts, token counts and copy sizes must be positive")
 
@@ -312,57 +318,74 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(
             gpu_expert_budget=slots * nbytes, step_graphs=s.step_graphs))
 
-    every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
-    hit_us = {}
-    with torch.no_grad():
-        cached = engine(L * E)
-        with cached:
-            for l in range(L):
-                call(cached, l, "prefill", every)  # every expert of every layer cached from here on
-            for T in [*s.tokens, len(every)]:
-                times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
-                hit_us["prefill", T] = median(times[2:])
-        for B in s.batch_sizes:
-            hit_us["decode", B] = median([(us, routing) for phase, _, us, _, routing
-                                          in _timed_calls(cached, model, s, B, device) if phase == "decode"])
-    rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
-            in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
-
-    launch_us = {}  # the engine's decode-time predictor launch, by batch
-    with torch.no_grad():
-        predicted = OffloadEngine(model, stores, POLICIES["duoserve"], random_predictor(L, E, k),
-                                  settings=EngineSettings(step_graphs=s.step_graphs))
-        for B in s.batch_sizes:
-            launches: list[float] = []
-            _timed_calls(predicted, model, s, B, device, launches)
-            if launches:  # none where one MoE layer was built: nothing to predict
-                launch_us[B] = statistics.median(launches)
-
-    fetch = []
-    for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
-        with torch.no_grad():
-            timed = [(us, n) for phase, _, us, n, _ in _timed_calls(engine(slots), model, s, 1, device)
-                     if phase == "decode" and n]
-        spent = statistics.median((us - hit_us["decode", 1][0]) / n for us, n in timed) if timed else 0.0
-        # at least the copy's own queueing: on a small model the difference is within the noise of two medians
-        fetch.append({"slots": slots, "us": max(spent, copy_us)})
-
-    # one prefill call of every expert, none cached, through caches of 4k and k slots: the same E misses in groups
-    # of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for any k). A group costs the
-    # difference over the difference in groups, what each expert costs (its fetch, its pair rows) cancelling; one
-    # call less a hit call and E decode-time fetches leaves that in (on an H100 it read 1.0 ms a group where the
-    # bench's host sections showed 0.74)
-    prefill = []
-    for slots in (4 * k, k):
-        with torch.no_grad(), engine(slots) as e:
-            times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
-            prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
-    (few_us, few), (many_us, many) = prefill
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
-    return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0), "launch": launch_us,
-            "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
-                                                     settings=EngineSettings(step_graphs=s.step_graphs)),
-                                       modules, model, s, device)}
+
+    def one_round() -> dict:
+        """Every cost once."""
+        every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
+        hit_us = {}
+        with torch.no_grad():
+            cached = engine(L * E)
+            with cached:
+                for l in range(L):
+                    call(cached, l, "prefill", every)  # every expert of every layer cached from here on
+                for T in [*s.tokens, len(every)]:
+                    times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
+                    hit_us["prefill", T] = median(times[2:])
+            for B in s.batch_sizes:
+                hit_us["decode", B] = median([(us, routing) for phase, _, us, _, routing
+                                              in _timed_calls(cached, model, s, B, device) if phase == "decode"])
+        rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
+                in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
+
+        launch_us = {}  # the engine's decode-time predictor launch, by batch
+        with torch.no_grad():
+            predicted = OffloadEngine(model, stores, POLICIES["duoserve"], random_predictor(L, E, k),
+                                      settings=EngineSettings(step_graphs=s.step_graphs))
+            for B in s.batch_sizes:
+                launches: list[float] = []
+                _timed_calls(predicted, model, s, B, device, launches)
+                if launches:  # none where one MoE layer was built: nothing to predict
+                    launch_us[B] = statistics.median(launches)
+
+        fetch = []
+        for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
+            with torch.no_grad():
+                timed = [(us, n) for phase, _, us, n, _ in _timed_calls(engine(slots), model, s, 1, device)
+                         if phase == "decode" and n]
+            spent = statistics.median((us - hit_us["decode", 1][0]) / n for us, n in timed) if timed else 0.0
+            # at least the copy's own queueing: on a small model the difference is within the noise of two medians
+            fetch.append({"slots": slots, "us": max(spent, copy_us)})
+
+        # one prefill call of every expert, none cached, through caches of 4k and k slots: the same E misses in groups
+        # of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for any k). A group costs the
+        # difference over the difference in groups, what each expert costs (its fetch, its pair rows) cancelling; one
+        # call less a hit call and E decode-time fetches leaves that in (on an H100 it read 1.0 ms a group where the
+        # bench's host sections showed 0.74)
+        prefill = []
+        for slots in (4 * k, k):
+            with torch.no_grad(), engine(slots) as e:
+                times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
+                prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
+        (few_us, few), (many_us, many) = prefill
+        return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0), "launch": launch_us,
+                "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
+                                                         settings=EngineSettings(step_graphs=s.step_graphs)),
+                                           modules, model, s, device)}
+
+    rounds = [one_round() for _ in range(s.rounds)]
+    return {**_median_of_rounds(rounds), "rounds": rounds}
+
+
+def _median_of_rounds(rounds: list):
+    """The element-wise median of measurements of one structure (dicts by key, lists by position); a value every
+    round shares (a row's phase or tokens) is kept as it is."""
+    first = rounds[0]
+    if isinstance(first, dict):
+        return {key: _median_of_rounds([r[key] for r in rounds]) for key in first}
+    if isinstance(first, list):
+        return [_median_of_rounds(list(items)) for items in zip(*rounds)]
+    return first if all(r == first for r in rounds) else statistics.median(rounds)
 
 
 def _module_fetch_ms(engine: OffloadEngine, stores: list[HostExperts], model, s: ProfileSettings,
@@ -455,7 +478,7 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
                          "hidden_size": H, "expert_bytes": nbytes},
             "copy": copy, "copy_host_us": host_us, "module_copy_ms": engine_us["module"], "expert_ms": expert_ms,
             "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
-            "group_host_us": engine_us["group"], "predictor_ms": predictor_ms,
+            "group_host_us": engine_us["group"], "predictor_ms": predictor_ms, "engine_rounds": engine_us["rounds"],
             "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms,
             "host_op_us": {"median": statistics.median(pace.values()), "min": min(pace.values()),
                            "max": max(pace.values()), "sections": pace}}

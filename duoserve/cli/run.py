@@ -183,6 +183,9 @@ def profile_cmd(
     device: Annotated[str, typer.Option(help="auto, cuda, cuda:N or cpu.")] = "auto",
     dtype: DtypeOption = "auto",
     step_graphs: StepGraphsOption = ENGINE.step_graphs,
+    rounds: Annotated[int, typer.Option(
+        min=1, help="Rounds of the engine's host costs, each cost the median of its rounds (a host's speed "
+                    "drifts between minutes).")] = 3,
     out: Annotated[Path, typer.Option(help="The profile (JSON, with the commit, machine and command).")]
     = Path("gpu.json"),
 ) -> None:
@@ -196,7 +199,7 @@ def profile_cmd(
         check_output(out)
         s = ProfileSettings(model=model, layers=layers, dtype=dtype, device=device,
                             batch_sizes=batch_size or [1, 8], contexts=context or [128, 512],
-                            tokens=tokens or [1, 8, 64, 512], step_graphs=step_graphs)
+                            tokens=tokens or [1, 8, 64, 512], step_graphs=step_graphs, rounds=rounds)
         with progress("profile", total=None) as update:
             result = profile(s, say=lambda text: update(description=text))
     write_result(out, result)
