@@ -14,7 +14,8 @@ simulated (``Simulator(sections=True)``: the same sections on the simulated cloc
 whether its host or its device side is off (the table: simulated over measured, all sections and the queueing of
 fetches and compute). Where the profile recorded its pace, each point is simulated at its runs' (``Costs``'
 ``host_op_us``; ``--no-pace``: at the profile's), and every row also keeps the simulation at the profile's pace
-(``unpaced``).
+(``unpaced``). ``--round i``: each profile's engine host costs of its round i alone (``engine_rounds``, version 5
+profiles), not the rounds' medians: what a single-round profile would have given.
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
 """
@@ -31,6 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from duoserve.bench.drivers import RandomRouting, ReplayRouting
+from duoserve.bench.profile import profile_round
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.costs import Costs, resolve_profile
 from duoserve.bench.simulate import ModelShape, Simulator, bench_passes, run
@@ -76,6 +78,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--pace", action=argparse.BooleanOptionalAction, default=True,
                    help="simulate each point at its runs' host pace where its profile recorded its own (default); "
                         "every row also carries the simulation at the profile's pace (unpaced)")
+    p.add_argument("--round", type=int, default=None,
+                   help="each profile's engine costs of this round alone (engine_rounds), not the rounds' medians")
     args = p.parse_args(argv)
     rows, skipped = [], []
     for bench_name, (spec, trace) in BENCHES.items():
@@ -86,6 +90,8 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         bench = json.loads(path.read_text())
         profile = resolve_profile(args.profiles / f"{profile_name}.json" if args.profiles else profile_name)
+        if args.round is not None:
+            profile = profile_round(profile, args.round)
         layers = bench["geometry"]["moe_layers"] if bench["config_only"] else None
         shape = ModelShape.of(spec, layers, bench["dtype"].removeprefix("torch."))
         try:  # a profile applies to the dtype it was measured in
@@ -128,7 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     Console().print(table)
     held, held_unpaced = sum(row["within"] for row in rows), sum(row["unpaced"]["within"] for row in rows)
     print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}; {held_unpaced} at the profiles' own host pace")
-    result = {"machine": args.machine, "tolerance": TOLERANCE, "pace": args.pace, "rows": rows, "held": held,
+    result = {"machine": args.machine, "tolerance": TOLERANCE, "pace": args.pace, "round": args.round, "rows": rows,
+              "held": held,
               "held_unpaced": held_unpaced, "skipped": skipped}
     write_result(args.out, result)
     return result

@@ -1088,7 +1088,8 @@ def test_decode_steps_replayed_from_step_graphs_generate_what_eager_steps_do(arc
 
 
 def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(tmp_path, arch_models):
-    from duoserve.bench.profile import PROFILE_FIELDS, load_profile
+    from duoserve.bench.costs import Costs
+    from duoserve.bench.profile import PROFILE_FIELDS, load_profile, profile_round
 
     out = tmp_path / "cpu.json"
     result = runner.invoke(run_app, ["profile", "--model", str(arch_models["mixtral"]), "--batch-size", "1",
@@ -1106,6 +1107,16 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert profile["module_copy_ms"] == pytest.approx(statistics.median(r["module"] for r in rounds))
     assert [r["launch_host_ms"] * 1e3 for r in profile["predictor_ms"]] == pytest.approx(
         [statistics.median(r["launch"][str(B)] for r in rounds) for B in (1, 2)])
+    # one round alone, what a single-round profile would have read, and nothing else changed
+    alone = profile_round(profile, 1)
+    assert alone["call_host_us"] == rounds[1]["call"] and alone["fetch_host_us"] == rounds[1]["fetch"]
+    assert (alone["group_host_us"], alone["module_copy_ms"]) == (rounds[1]["group"], rounds[1]["module"])
+    assert [r["launch_host_ms"] * 1e3 for r in alone["predictor_ms"]] == pytest.approx(
+        [rounds[1]["launch"][str(B)] for B in (1, 2)])
+    assert alone["copy"] == profile["copy"] and alone["layer_ms"] == profile["layer_ms"]
+    assert Costs(alone).group_host_ms == pytest.approx(rounds[1]["group"] / 1e3 * Costs(alone).host_scale)
+    with pytest.raises(ValueError, match="kept 2 rounds"):
+        profile_round(profile, 2)
     assert profile["provenance"]["machine"]  # a profile says which machine it describes
     g = profile["geometry"]
     layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]

@@ -467,21 +467,36 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
 
     section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)
-    for row in predictor_ms:
-        if row["batch"] in engine_us["launch"]:
-            row["launch_host_ms"] = engine_us["launch"][row["batch"]] / 1e3
     pace["end"] = host_op_us(device)
-    return {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
-            "dtype": str(store.layout.dtype), "measured_layers": s.layers,
-            "step_graphs": s.step_graphs and device.type == "cuda",
-            "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
-                         "hidden_size": H, "expert_bytes": nbytes},
-            "copy": copy, "copy_host_us": host_us, "module_copy_ms": engine_us["module"], "expert_ms": expert_ms,
-            "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
-            "group_host_us": engine_us["group"], "predictor_ms": predictor_ms, "engine_rounds": engine_us["rounds"],
-            "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms,
-            "host_op_us": {"median": statistics.median(pace.values()), "min": min(pace.values()),
-                           "max": max(pace.values()), "sections": pace}}
+    measured = {"profile_version": PROFILE_VERSION, "device": device_name(device), "model": s.model,
+                "dtype": str(store.layout.dtype), "measured_layers": s.layers,
+                "step_graphs": s.step_graphs and device.type == "cuda",
+                "geometry": {"moe_layers": full.num_layers, "experts": full.num_experts, "top_k": full.top_k,
+                             "hidden_size": H, "expert_bytes": nbytes},
+                "copy": copy, "copy_host_us": host_us, "expert_ms": expert_ms, "predictor_ms": predictor_ms,
+                "dequant_ms": dequant_ms, "layer_ms": layer_ms, "step_ms": step_ms,
+                "host_op_us": {"median": statistics.median(pace.values()), "min": min(pace.values()),
+                               "max": max(pace.values()), "sections": pace},
+                "engine_rounds": engine_us.pop("rounds")}
+    return _with_engine_costs(measured, engine_us)
+
+
+def _with_engine_costs(profile: dict, engine_us: dict) -> dict:
+    """``profile`` with the engine's host costs of ``_engine_host_us`` (or of one of its rounds) in its fields."""
+    launch = {int(B): us for B, us in engine_us["launch"].items()}  # a round read back from JSON has string keys
+    predictor_ms = [{**row, **({"launch_host_ms": launch[row["batch"]] / 1e3} if row["batch"] in launch else {})}
+                    for row in profile["predictor_ms"]]
+    return {**profile, "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
+            "group_host_us": engine_us["group"], "module_copy_ms": engine_us["module"], "predictor_ms": predictor_ms}
+
+
+def profile_round(profile: dict, i: int) -> dict:
+    """``profile`` with the engine's host costs of its round ``i`` alone, not the rounds' medians: what a single-round
+    profile of that moment would have read (``benchmarks/simulate_validation.py --round``)."""
+    rounds = profile.get("engine_rounds") or []
+    if not 0 <= i < len(rounds):
+        raise ValueError(f"this profile kept {len(rounds)} rounds of the engine's costs; there is no round {i}")
+    return _with_engine_costs(profile, rounds[i])
 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
