@@ -1104,6 +1104,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
         assert type(row["tokens"]) is int  # what every round shares is kept, not averaged
         assert row["us"] == pytest.approx(statistics.median(r["call"][i]["us"] for r in rounds))
     assert profile["group_host_us"] == pytest.approx(statistics.median(r["group"] for r in rounds))
+    assert profile["fetch_host_us"][0]["us"] == pytest.approx(statistics.median(r["fetch"][0]["us"] for r in rounds))
     assert profile["module_copy_ms"] == pytest.approx(statistics.median(r["module"] for r in rounds))
     assert [r["launch_host_ms"] * 1e3 for r in profile["predictor_ms"]] == pytest.approx(
         [statistics.median(r["launch"][str(B)] for r in rounds) for B in (1, 2)])

@@ -25,7 +25,8 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 the simulator then charges the whole call before the copies)
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
-                heap-ranked one; timed inside real generations too
+                heap-ranked one; timed inside real generations too, from the engine's own fetch section (version 4:
+                the difference of two engines' whole calls)
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches):
                 a prefill of every expert through caches of 4k and k slots, fetched in groups of 2k and k/2, the
                 difference in host time over the difference in groups (version 3 and before: one such call
@@ -69,6 +70,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -85,13 +87,14 @@ from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import QuantizedExperts, dequantize, make_store
+from duoserve.runtime.schedule import FETCH_SECTION
 from duoserve.runtime.scheduler import ROUTING_SECTION
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
 # 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
-# each the median of rounds;
+# each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
 PROFILE_VERSION = 5
@@ -231,14 +234,26 @@ def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: to
     return rows
 
 
-def _routing_ms(engine: OffloadEngine) -> float:
-    """Host milliseconds ``engine`` has spent so far reading routings (``ROUTING_SECTION``)."""
-    return engine.timers.cpu.ms.get(ROUTING_SECTION, 0.0)
+def _section_ms(engine: OffloadEngine, name: str) -> float:
+    """Host milliseconds ``engine`` has spent so far in its section ``name``."""
+    return engine.timers.cpu.ms.get(name, 0.0)
+
+
+class _Call(NamedTuple):
+    """One timed layer call: its phase and tokens, its host µs, the experts it fetched, and the host µs of its
+    routing read and of its fetch section."""
+
+    phase: str
+    tokens: int
+    us: float
+    fetched: int
+    routing_us: float
+    fetch_us: float
 
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device,
-                 launches: list[float] | None = None) -> list[tuple]:
-    """(phase, tokens, host µs, experts fetched, routing µs) of each of ``engine``'s layer calls in a real generation
+                 launches: list[float] | None = None) -> list[_Call]:
+    """Each of ``engine``'s layer calls (``_Call``) in a real generation
     of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one, run as the bench runs it (on a static
     KV cache where the engine replays its step graphs): the host's caches as such a forward pass leaves them, the
     device waited for before each call, so what is timed is the call's own host work, not a wait for its router.
@@ -256,11 +271,14 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
 
     def timed(l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         sync(device)
-        copies, routed = sum(engine.cache.stats.copies.values()), _routing_ms(engine)
+        copies = sum(engine.cache.stats.copies.values())
+        routed, fetching = _section_ms(engine, ROUTING_SECTION), _section_ms(engine, FETCH_SECTION)
         start = time.perf_counter()
         out = run(l, hidden, idx, weights)
-        calls.append((engine.phase, len(idx), (time.perf_counter() - start) * 1e6,
-                      sum(engine.cache.stats.copies.values()) - copies, (_routing_ms(engine) - routed) * 1e3))
+        calls.append(_Call(engine.phase, len(idx), (time.perf_counter() - start) * 1e6,
+                           sum(engine.cache.stats.copies.values()) - copies,
+                           (_section_ms(engine, ROUTING_SECTION) - routed) * 1e3,
+                           (_section_ms(engine, FETCH_SECTION) - fetching) * 1e3))
         return out
 
     vocab = model.get_input_embeddings().num_embeddings
@@ -306,9 +324,9 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         weights = torch.full((T, k), 1.0 / k, dtype=dtype, device=device)  # T x k
         idx = torch.as_tensor(ids, device=device)  # T x k
         engine.phase = phase
-        routed = _routing_ms(engine)
+        routed = _section_ms(engine, ROUTING_SECTION)
         us = _host_ms(lambda: engine.run_layer(l, hidden, idx, weights), device) * 1e3
-        return us, (_routing_ms(engine) - routed) * 1e3
+        return us, (_section_ms(engine, ROUTING_SECTION) - routed) * 1e3
 
     def median(times: list[tuple]) -> tuple[float, float]:
         """The median host µs of calls (``call``'s pairs) and of their routing reads."""
@@ -332,9 +350,11 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
                 for T in [*s.tokens, len(every)]:
                     times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
                     hit_us["prefill", T] = median(times[2:])
-            for B in s.batch_sizes:
-                hit_us["decode", B] = median([(us, routing) for phase, _, us, _, routing
-                                              in _timed_calls(cached, model, s, B, device) if phase == "decode"])
+            decoded = {B: [c for c in _timed_calls(cached, model, s, B, device) if c.phase == "decode"]
+                       for B in s.batch_sizes}
+        for B, timed in decoded.items():
+            hit_us["decode", B] = median([(c.us, c.routing_us) for c in timed])
+        entry_us = statistics.median(c.fetch_us for timed in decoded.values() for c in timed)  # nothing to fetch
         rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
                 in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
 
@@ -351,11 +371,12 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         fetch = []
         for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
             with torch.no_grad():
-                timed = [(us, n) for phase, _, us, n, _ in _timed_calls(engine(slots), model, s, 1, device)
-                         if phase == "decode" and n]
-            spent = statistics.median((us - hit_us["decode", 1][0]) / n for us, n in timed) if timed else 0.0
-            # at least the copy's own queueing: on a small model the difference is within the noise of two medians
-            fetch.append({"slots": slots, "us": max(spent, copy_us)})
+                timed = [c for c in _timed_calls(engine(slots), model, s, 1, device)
+                         if c.phase == "decode" and c.fetched]
+            # the engine's own fetch section of each call with misses, less its time with none: read in one call, not
+            # a difference of two engines' whole calls (which read 3.9 and 53.5 us on one H100 minutes apart)
+            spent = statistics.median((c.fetch_us - entry_us) / c.fetched for c in timed) if timed else 0.0
+            fetch.append({"slots": slots, "us": max(spent, copy_us)})  # at least the copy's own queueing
 
         # one prefill call of every expert, none cached, through caches of 4k and k slots: the same E misses in groups
         # of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for any k). A group costs the

@@ -21,6 +21,8 @@ from duoserve.runtime.experts import PairRows, Routing, SlotCompute
 from duoserve.runtime.store import HostExperts, staged
 from duoserve.runtime.streams import EngineTimers, Streams
 
+FETCH_SECTION = "queue fetches"  # the host section where a layer call queues its misses' copies (profiles time it)
+
 
 class GroupedFetch:
     """Fetch-and-compute in groups over ``cache`` for a layer call (see the module docstring)."""
@@ -74,7 +76,7 @@ class GroupedFetch:
                 while len(queued) < depth and i + len(queued) < len(groups):
                     experts = groups[i + len(queued)]
                     keep = {(l, e) for group, _ in queued for e in group}  # not computed yet: not to be refilled
-                    with timers.cpu("queue fetches"):
+                    with timers.cpu(FETCH_SECTION):
                         slots = cache.fetch(l, experts, self.stores[l], phase, keep, stream, seal=False)
                         fetched = dict(zip(experts, slots))
                         rows = self.compute.upload(routing.rows(fetched, cache.slots), stream)

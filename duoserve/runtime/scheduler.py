@@ -37,7 +37,7 @@ from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.prefetch import DecodePrefetch
-from duoserve.runtime.schedule import GroupedFetch
+from duoserve.runtime.schedule import FETCH_SECTION, GroupedFetch
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.sources import HostPredictor, LayerPredictor
 from duoserve.runtime.store import HostExperts
@@ -143,7 +143,7 @@ class ExpertScheduler:
         ranked, prefetched = None, False  # the predicted experts, best first; their copies are queued
         if self.phase == "decode" and cache.fits(l, routing.needed):
             # a decode call computes little: every pair in one group once its misses land, shapes fixed per batch
-            with cpu("queue fetches"):
+            with cpu(FETCH_SECTION):
                 keep = {(l, e) for e in routing.needed}
                 slots = hits | dict(zip(missing, cache.fetch(l, missing, self.stores[l], self.phase, keep,
                                                              self.grouped.stream) if missing else []))
