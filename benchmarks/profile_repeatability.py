@@ -6,10 +6,11 @@ any agreement between the simulator and the engine, whose host-bound steps are m
 
 Measures the profile (``duoserve.bench.profile``, at 4 layers as ``benchmarks/simulate_h200.sh`` does, on a smaller
 grid of batch sizes, contexts and token counts that holds the operating points read below; the engine's host costs
-of each profile are the medians of the profile's own default rounds) ``--rounds`` times back to back and reports, for each cost the simulator reads, every round's value and the spread (the
-largest over the smallest): host costs (a layer call's, a fetch's, a compute group's, a copy's queueing, each
-decoder layer's and each pass's own launch time, a predictor call's), the per-module fetch, and the device's
-(a copy's bandwidth, an expert group's kernel time) for contrast.
+of each profile are the medians of the profile's own default rounds) ``--rounds`` times back to back and reports,
+for each cost the simulator reads, every round's value and the spread (the largest over the smallest): host costs
+(a layer call's, a fetch's, a compute group's, a copy's queueing, each decoder layer's and each pass's own launch
+time, a predictor call's), the per-module fetch, and the device's (a copy's bandwidth, an expert group's kernel
+time) for contrast.
 """
 
 from __future__ import annotations

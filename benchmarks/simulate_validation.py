@@ -135,8 +135,7 @@ def main(argv: list[str] | None = None) -> dict:
     held, held_unpaced = sum(row["within"] for row in rows), sum(row["unpaced"]["within"] for row in rows)
     print(f"{held} of {len(rows)} rows within {TOLERANCE:.0%}; {held_unpaced} at the profiles' own host pace")
     result = {"machine": args.machine, "tolerance": TOLERANCE, "pace": args.pace, "round": args.round, "rows": rows,
-              "held": held,
-              "held_unpaced": held_unpaced, "skipped": skipped}
+              "held": held, "held_unpaced": held_unpaced, "skipped": skipped}
     write_result(args.out, result)
     return result
 

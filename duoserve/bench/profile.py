@@ -253,11 +253,11 @@ class _Call(NamedTuple):
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device,
                  launches: list[float] | None = None) -> list[_Call]:
-    """Each of ``engine``'s layer calls (``_Call``) in a real generation
-    of ``batch`` prompts (``s.contexts[0]`` tokens, 8 new) after a warm-up one, run as the bench runs it (on a static
-    KV cache where the engine replays its step graphs): the host's caches as such a forward pass leaves them, the
-    device waited for before each call, so what is timed is the call's own host work, not a wait for its router.
-    ``launches``: where to add the host µs of each of its decode prefetch's predictor launches."""
+    """Each of ``engine``'s layer calls (``_Call``) in a real generation of ``batch`` prompts (``s.contexts[0]``
+    tokens, 8 new) after a warm-up one, run as the bench runs it (on a static KV cache where the engine replays its
+    step graphs): the host's caches as such a forward pass leaves them, the device waited for before each call, so
+    what is timed is the call's own host work, not a wait for its router. ``launches``: where to add the host µs of
+    each of its decode prefetch's predictor launches."""
     calls = []
     run = engine.run_layer
     launch = engine.prefetch.launch if launches is not None else None
@@ -339,7 +339,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
 
     def one_round() -> dict:
-        """Every cost once."""
+        """Every cost above, measured once."""
         every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
         hit_us = {}
         with torch.no_grad():
