@@ -338,9 +338,10 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
 
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
 
+    every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
+
     def one_round() -> dict:
         """Every cost above, measured once."""
-        every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
         hit_us = {}
         with torch.no_grad():
             cached = engine(L * E)
