@@ -176,7 +176,7 @@ class ExpertCache:
         # writes the slots on the dequant stream: only that waits, and its copies to staging run ahead of the compute
         self._dequantizing = staged(store, self.streams)
         writer = self.streams.dequant if self._dequantizing else stream
-        for event in {id(f): f for f in map(self.free.__getitem__, slots)}.values():
+        for event in dict.fromkeys(map(self.free.__getitem__, slots)):
             self.streams.wait(writer, event)
         for e, s, score in zip(experts, slots, wanted or [0.0] * len(slots)):
             if key[s] is not None:
@@ -266,7 +266,7 @@ class ExpertCache:
 
     def wait_ready(self, slots) -> None:
         """Make the compute stream wait until ``slots``' copies have landed (a group's slots share one event)."""
-        for event in {id(e): e for e in map(self.ready.__getitem__, slots)}.values():
+        for event in dict.fromkeys(map(self.ready.__getitem__, slots)):
             self.streams.wait(self.streams.compute, event)
 
 

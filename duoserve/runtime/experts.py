@@ -53,8 +53,9 @@ SMALL_CALL = 128
 class Routing:
     """A layer call's routing, read to the host once: which experts, and its (token, expert) pairs by expert."""
 
-    def __init__(self, idx: torch.Tensor, num_experts: int, small_call: int = SMALL_CALL):
-        self.ids = idx.cpu().numpy()  # T x k; the one wait for the router
+    def __init__(self, idx: torch.Tensor | np.ndarray, num_experts: int, small_call: int = SMALL_CALL):
+        # T x k; the one wait for the router (a simulator's routing is a host array already)
+        self.ids = idx if isinstance(idx, np.ndarray) else idx.cpu().numpy()
         self._flat: list[int] | None = None  # T*k ids of a small call (at most ``small_call`` pairs), as a list
         if self.ids.size <= small_call:
             self._flat = self.ids.reshape(-1).tolist()

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from duoserve.runtime.cache import ExpertCache
@@ -127,8 +128,10 @@ class ExpertScheduler:
         if phase == "decode" and self.prefetch is not None:
             self.prefetch.begin_step(batch)
 
-    def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``."""
+    def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor | np.ndarray,
+                  weights: torch.Tensor) -> torch.Tensor:
+        """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``; ``idx``
+        may be a host array where no predictor on the device reads it (the offload simulator's)."""
         cpu, cache, plan = self.timers.cpu, self.cache, self.prefetch
         with cpu(ROUTING_SECTION):
             routing = Routing(idx, self.E)
@@ -167,7 +170,8 @@ class ExpertScheduler:
             with cpu("queue prefetch"):
                 nxt = (l + 1) % self.L
                 cache.copy_ahead(nxt, [(e, 1.0) for e in range(self.E)], self.stores[nxt], self.phase)
-        elif self.policy.prefill_lookahead and self.phase == "prefill" and l + 1 < self.L and idx.numel() >= 8 * self.E:
+        elif (self.policy.prefill_lookahead and self.phase == "prefill" and l + 1 < self.L
+              and routing.ids.size >= 8 * self.E):
             # so many pairs route nearly every expert (uniform routing leaves one unused with odds e^-8), so the
             # copy stream fills the gap while the host reaches layer l+1's router with experts it will compute first
             with cpu("queue prefetch"):
