@@ -26,7 +26,7 @@
 # a machine may be replaced between device calls, so put the profiles in every call. With single-round profiles
 # (version 4) PART="profiles qwen-waiting embedded" took 538 s on an H200; version 5 measures the engine's host costs
 # in three rounds (one took 43 s for the embedded model on an H100), so run PART="profiles embedded" in one call and
-# qwen-waiting, qwen-recall in the next ones, on the same warm machine (not yet timed: keep each call under 600 s).
+# qwen-waiting, qwen-recall in the next ones, on the same warm machine (on an H100: 244, 409 and 235 s).
 # Then, on any machine: python benchmarks/simulate_validation.py (simulated against measured, the 10% table).
 # Run from the repository root with duoserve importable (PYTHONPATH=. or installed).
 set -euo pipefail
