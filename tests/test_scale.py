@@ -16,11 +16,18 @@ from duoserve.trace import open_trace
 BIN = Path(sys.executable).parent
 
 
+def _run(command: list[str]) -> None:
+    """Run ``command``; where it fails, the failure carries the end of its stderr (a rank that dies takes the others
+    down with SIGKILL, and only its own message says why)."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{' '.join(command)} exited {done.returncode}:\n{done.stderr[-4000:]}"
+
+
 def _fit(trace: Path, out: Path, devices: int, batch_size: int) -> dict:
     command = [str(BIN / "duoserve-train"), "fit", str(trace), "--out", str(out), "--phase", "decode", "--epochs", "1",
                "--widths", "64", "--batch-size", str(batch_size), "--accelerator", "cpu", "--devices", str(devices),
                "--clean", *(["--strategy", "ddp", "--onnx"] if devices > 1 else [])]
-    subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+    _run(command)
     load_predictor(out)  # loads with torch alone
     return json.loads((out / "config.json").read_text())
 
@@ -39,10 +46,9 @@ def test_two_process_ddp_fit_matches_one_process_with_the_same_global_batch(embe
 
 def test_a_two_rank_torchrun_collection_equals_a_one_rank_run(tmp_path):
     args = ["collect", "--count", "4", "--max-new-tokens", "6", "--device", "cpu"]
-    subprocess.run([str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "duoserve.cli.trace", *args,
-                    "--out", str(tmp_path / "two")], check=True, capture_output=True, timeout=600)
-    subprocess.run([str(BIN / "duoserve-trace"), *args, "--out", str(tmp_path / "one")], check=True,
-                   capture_output=True, timeout=600)
+    _run([str(BIN / "torchrun"), "--nproc-per-node", "2", "-m", "duoserve.cli.trace", *args,
+          "--out", str(tmp_path / "two")])
+    _run([str(BIN / "duoserve-trace"), *args, "--out", str(tmp_path / "one")])
     assert {f.name.split("-")[1] for f in (tmp_path / "two").glob("part-*.parquet")} == {"r000", "r001"}
     keys = ["dataset", "request_id", "phase", "position"]
     two, one = (open_trace(tmp_path / name).dataset.to_table().to_pandas().sort_values(keys).reset_index(drop=True)
