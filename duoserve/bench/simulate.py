@@ -248,14 +248,14 @@ class Simulator:
         sched.begin_pass(p.phase, p.batch)
         T = p.ids.shape[1]
         hidden, weights = torch.empty(T, 0), torch.empty(T, self.shape.top_k)
-        idx = p.ids  # L x T x k; a trained predictor's history is a tensor, which it copies each layer's into
-        if self._trained is not None:
-            idx = torch.from_numpy(idx.astype(np.int64, copy=False)).unbind(0)
+        # L x T x k: host arrays, as the engine's routing reads them; tensors where a trained predictor copies each
+        # layer's into its history
+        layers = p.ids if self._trained is None else torch.from_numpy(p.ids.astype(np.int64, copy=False)).unbind(0)
         wall, device = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
         host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
-        for l, layer_idx in enumerate(idx):  # T x k each
+        for l, layer_idx in enumerate(layers):  # T x k each
             s.launch(wall, device)
             before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
