@@ -17,6 +17,7 @@ OUT=${2:-out/families}
 TRACES=${1:-$OUT/traces}
 BIN=${BIN:-.venv/bin}
 D=${LOOKAHEAD:-2}
+FAMILIES=${FAMILIES:-paper hybrid residual}
 cli() {  # cli trace|train|eval ARGS...: an entry point, or its module where none is installed
   local tool=$1 module=$1
   shift
@@ -24,7 +25,7 @@ cli() {  # cli trace|train|eval ARGS...: an entry point, or its module where non
   if [ -x "$BIN/duoserve-$tool" ]; then "$BIN/duoserve-$tool" "$@"; else python3 -m "duoserve.cli.$module" "$@"; fi
 }
 [ -e "$TRACES" ] || cli trace collect --out "$TRACES" --lookahead "$D"
-for family in ${FAMILIES:-paper hybrid residual}; do
+for family in $FAMILIES; do
   # shellcheck disable=SC2086  # FIT_ARGS and EVAL_ARGS are word lists
   cli train fit "$TRACES" --out "$OUT/p-$family" --epochs 4 --family "$family" --lookahead "$D" --clean \
       ${FIT_ARGS:-} >/dev/null
@@ -32,7 +33,7 @@ for family in ${FAMILIES:-paper hybrid residual}; do
   cli eval accuracy "$TRACES" --predictor "$OUT/p-$family" --out "$OUT/r-$family" --cross-task ${EVAL_ARGS:-} \
       >/dev/null
 done
-for family in ${FAMILIES:-paper hybrid residual}; do
+for family in $FAMILIES; do
   echo "== $family ($OUT/r-$family/report.md)"
   sed -n '/^## decode tokens/,/^## prefill/p' "$OUT/r-$family/report.md" | grep -E "^\| (trained MLP|next-gate) "
   sed -n '/^## Look-ahead depth/,/^## Scorers/p' "$OUT/r-$family/report.md" | grep -E "^(- d=|\| (trained MLP|next-gate) )"
