@@ -1,6 +1,7 @@
 """Predictors on a real model's routing: FLAME-MoE (pretrained, 25 MoE layers, 64 experts, top-6), as a learning curve.
 
     python benchmarks/flame_moe.py --out benchmarks/results/flame_moe_cpu.json     # about 15 minutes on 2 cores
+    python benchmarks/flame_moe.py --import-to DIR     # only write the 64-token sequences as a trace folder
 
 Reads the two routing files in ``../shared/data/flame-moe/`` (see its README; never copied into the
 repository): 32 sequences of 64 tokens and 64 sequences of 10 tokens, each sequence one request,
@@ -14,6 +15,7 @@ held-out requests (validation share 0.2, seed 0) at every depth.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -54,6 +56,15 @@ def import_flame(data: Path, work: Path) -> list[Path]:
     return traces
 
 
+def import_sequences(dest: Path, data: Path = DATA) -> Path:
+    """The encoder file's 64-token sequences (the decoder file's are 10 tokens long) as one trace folder at ``dest``:
+    what the engine replays (``runtime_pinning.py``, ``simulate_h200.sh``)."""
+    with tempfile.TemporaryDirectory() as scratch:
+        encoder, _ = import_flame(data, Path(scratch))
+        shutil.move(encoder, dest)
+    return dest
+
+
 def main() -> None:
     ap = parser(__doc__, geometry=None)
     ap.add_argument("--data", type=Path, default=DATA)
@@ -62,7 +73,12 @@ def main() -> None:
     ap.add_argument("--epochs", type=int, default=5)
     ap.add_argument("--widths", default="2048,1024,512,256,128,64")
     ap.add_argument("--loss", default="bce", help="the fit's loss: bce or softmax (duoserve-train fit --loss)")
+    ap.add_argument("--import-to", type=Path, default=None,
+                    help="write the 64-token sequences as a trace folder here and stop (no fits)")
     args = ap.parse_args()
+    if args.import_to:
+        print(f"trace: {import_sequences(args.import_to, args.data)}")
+        return
     fractions = [float(f) for f in args.fractions.split(",")]
     with tempfile.TemporaryDirectory(prefix="duoserve-flame-") as scratch:
         work = Path(scratch)

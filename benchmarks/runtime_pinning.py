@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -37,7 +36,7 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.trace.format import open_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
-from flame_moe import DATA, import_flame  # noqa: E402  (a sibling script)
+from flame_moe import import_sequences  # noqa: E402  (a sibling script)
 
 BUDGETS = ("k", "2k", "10%", "25%", "50%")
 # --small: tiny widths for a check on the CPU (same hits and copies, expert bytes a tiny model's)
@@ -99,9 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     traces = dict(t.split("=", 1) for t in args.trace)
     if args.import_flame:
-        with tempfile.TemporaryDirectory() as scratch:
-            encoder, _ = import_flame(DATA, Path(scratch))
-            shutil.move(encoder, args.import_flame)  # the 64-token sequences: the decoder file's are 10 long
+        import_sequences(args.import_flame)
         traces.setdefault("flame", str(args.import_flame))
     device = resolve_device(args.device)
     results = []

@@ -17,6 +17,15 @@
 #   embedded     the embedded model on its own trace replayed with the predictor trained on it (make demo's
 #                out/traces and out/predictor, carried), in bf16 as its profile: duoserve (trained, none),
 #                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens -> benchmarks/results/simulate_bench_embedded_h200.json
+#   replay-profiles  device profiles of Qwen3-30B-A3B's widths at the larger substrate's and FLAME-MoE's geometry
+#                (``duoserve.bench.shapes.REPLAY_SHAPES``) -> duoserve/bench/profiles/h200-qwen3-30b-a3b-{substrate,flame}.json
+#   substrate, flame  the engine replaying a real routing trace through a config-only model of that shape, with a
+#                paper-family predictor fitted on the trace (carried): the substrate's committed trace
+#                (SUBSTRATE_PREDICTOR from duoserve-train fit benchmarks/data/substrate/traces --epochs 3 --out DIR)
+#                and FLAME-MoE's 64-token sequences (FLAME_TRACE from python benchmarks/flame_moe.py --import-to DIR,
+#                FLAME_PREDICTOR from duoserve-train fit FLAME_TRACE --epochs 5 --out DIR): duoserve (trained, none),
+#                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens, 3 rounds
+#                -> benchmarks/results/simulate_bench_qwen3-30b-a3b-{substrate,flame}_h200.json
 #   slots        (not in the default set) the engine's one-group expert compute of a B = 1 and B = 8 decode call by
 #                the cache's size, 16 to 1,024 slots: benchmarks/slot_compute_probe.py, for the 2 GB rows that the
 #                simulator puts 20% under the engine -> benchmarks/results/slot_compute_probe_h200.json
@@ -34,18 +43,39 @@ OUT=${OUT:-benchmarks/results}
 PROFILES=${PROFILES:-duoserve/bench/profiles}
 TRACE=${TRACE:-out/traces}
 PREDICTOR=${PREDICTOR:-out/predictor}
+SUBSTRATE_PREDICTOR=${SUBSTRATE_PREDICTOR:-out/validation/substrate-predictor}
+FLAME_TRACE=${FLAME_TRACE:-out/validation/flame-trace}
+FLAME_PREDICTOR=${FLAME_PREDICTOR:-out/validation/flame-predictor}
 SHAPES=$(mktemp -d)
-python3 -m duoserve.bench.shapes qwen3-30b-a3b "$SHAPES/qwen3-30b-a3b"
+for shape in qwen3-30b-a3b qwen3-30b-a3b-substrate qwen3-30b-a3b-flame; do
+    python3 -m duoserve.bench.shapes "$shape" "$SHAPES/$shape"
+done
 run() { python3 -m duoserve.cli.run "$@"; }
 grid=(--layers 4 --batch-size 1 --batch-size 4 --batch-size 8 --batch-size 16 --context 64 --context 512
       --context 2048 --tokens 1 --tokens 4 --tokens 16 --tokens 64 --tokens 256 --tokens 1024 --tokens 4096)
 qwen=(--model "$SHAPES/qwen3-30b-a3b" --config-only --layers 16 --routing random --prompt-len 512 --new-tokens 32
       --batch-size 1 --batch-size 8 --repeats 3)
-part=" ${PART:-profiles qwen qwen-budget embedded} "
+part=" ${PART:-profiles qwen qwen-budget embedded replay-profiles substrate flame} "
 want() { [[ "$part" == *" $1 "* ]]; }
 if want profiles; then
     run profile --model "$SHAPES/qwen3-30b-a3b" "${grid[@]}" --out "$PROFILES/h200-qwen3-30b-a3b.json"
     run profile --model embedded "${grid[@]}" --out "$PROFILES/h200-embedded.json"
+fi
+if want replay-profiles; then
+    for shape in qwen3-30b-a3b-substrate qwen3-30b-a3b-flame; do
+        run profile --model "$SHAPES/$shape" "${grid[@]}" --out "$PROFILES/h200-$shape.json"
+    done
+fi
+replay() {  # SHAPE TRACE PREDICTOR: the engine on a replayed trace, as the embedded bench below runs it
+    run bench --model "$SHAPES/$1" --config-only --routing "$2" --predictor "$3" --predictor none --policy duoserve \
+        --policy on-demand --policy lru --batch-size 1 --batch-size 8 --prompt-len 64 --new-tokens 16 --repeats 3 \
+        --out "$OUT/simulate_bench_$1_h200.json"
+}
+if want substrate; then
+    replay qwen3-30b-a3b-substrate benchmarks/data/substrate/traces "$SUBSTRATE_PREDICTOR"
+fi
+if want flame; then
+    replay qwen3-30b-a3b-flame "$FLAME_TRACE" "$FLAME_PREDICTOR"
 fi
 if want qwen; then
     run bench "${qwen[@]}" --policy duoserve --policy on-demand --policy lru --policy full-layer --policy per-module \

@@ -47,6 +47,8 @@ BENCHES = {
     "qwen3-30b-a3b": ("qwen3-30b-a3b", None),
     "qwen3-30b-a3b_2gb": ("qwen3-30b-a3b", None),
     "embedded": ("embedded", "out/traces"),
+    "qwen3-30b-a3b-substrate": ("qwen3-30b-a3b-substrate", "benchmarks/data/substrate/traces"),
+    "qwen3-30b-a3b-flame": ("qwen3-30b-a3b-flame", "out/validation/flame-trace"),
 }
 
 
@@ -88,8 +90,17 @@ def main(argv: list[str] | None = None) -> dict:
         if not path.exists():
             print(f"skipping {name}: not found", file=sys.stderr)
             continue
+        if trace and not Path(trace).exists():
+            print(f"skipping {name}: its trace {trace} is not here (simulate_h200.sh says how it was made)",
+                  file=sys.stderr)
+            continue
         bench = json.loads(path.read_text())
-        profile = resolve_profile(args.profiles / f"{profile_name}.json" if args.profiles else profile_name)
+        try:
+            profile = resolve_profile(args.profiles / f"{profile_name}.json" if args.profiles else profile_name)
+        except FileNotFoundError as err:
+            print(f"skipping {name}: {err}", file=sys.stderr)
+            skipped.append({"bench": name, "why": str(err)})
+            continue
         if args.round is not None:
             profile = profile_round(profile, args.round)
         layers = bench["geometry"]["moe_layers"] if bench["config_only"] else None

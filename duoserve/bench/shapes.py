@@ -23,6 +23,12 @@ SHAPES = {
         num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
         rope_theta=1_000_000.0, max_position_embeddings=32768, rms_norm_eps=1e-5, tie_word_embeddings=False)),
 }
+# Qwen3-30B-A3B's widths at the geometry (layers, experts, top-k) of a routing trace the engine replays, so that a
+# replayed expert's bytes and compute are a real one's: the larger substrate's (benchmarks/data/substrate) and
+# FLAME-MoE's (../shared/data/flame-moe), whose own models are too small to load a GPU as a served model does
+REPLAY_SHAPES = {"qwen3-30b-a3b-substrate": (16, 64, 8), "qwen3-30b-a3b-flame": (25, 64, 6)}
+SHAPES.update({name: ("qwen3_moe", {**SHAPES["qwen3-30b-a3b"][1], "num_hidden_layers": L, "num_experts": E,
+                                    "num_experts_per_tok": k}) for name, (L, E, k) in REPLAY_SHAPES.items()})
 
 
 def shape_config(name: str, num_layers: int | None = None, **overrides):
