@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,7 +27,8 @@ from duoserve.runtime.schedule import GroupedFetch
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import put_experts
 from duoserve.runtime.streams import NullTimers
-from tests.conftest import write_trace
+from duoserve.trace.format import open_trace
+from tests.conftest import load_benchmark, write_trace
 
 
 def cpu_profile(shape: ModelShape) -> dict:
@@ -536,3 +538,28 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
         assert all(row["host_ms"]["simulated"][name] > 0 for name in ("wait for routing", "queue fetches"))
     assert out["held"] == sum(r["within"] for r in out["rows"])
     assert out["held_unpaced"] == sum(r["unpaced"]["within"] for r in out["rows"])
+
+
+SUBSTRATE_TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "substrate" / "traces"
+FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
+
+
+def _replays(shape_name: str, trace: Path) -> None:
+    """The replay shape has its trace's geometry (the engine refuses a trace of another) and Qwen3-30B-A3B's
+    experts (what its profile and the engine's copies are measured on)."""
+    meta = open_trace(trace).meta
+    shape = ModelShape.of(shape_name)
+    assert (shape.num_layers, shape.num_experts, shape.top_k) == (meta.num_layers, meta.num_experts, meta.top_k)
+    assert shape.decoder_layers == meta.num_layers
+    assert shape.layout == ModelShape.of("qwen3-30b-a3b").layout
+
+
+def test_the_substrate_replay_shape_is_the_substrate_traces_geometry_at_qwen_widths():
+    _replays("qwen3-30b-a3b-substrate", SUBSTRATE_TRACE)
+
+
+@pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
+def test_the_flame_replay_shape_is_flame_moes_geometry_at_qwen_widths(tmp_path):
+    trace = load_benchmark("flame_moe").import_sequences(tmp_path / "flame")
+    assert open_trace(trace).dataset.count_rows() == 32 * 64  # the encoder file's sequences, 64 tokens each
+    _replays("qwen3-30b-a3b-flame", trace)
