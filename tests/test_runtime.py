@@ -1104,6 +1104,13 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
         assert type(row["tokens"]) is int  # what every round shares is kept, not averaged
         assert row["us"] == pytest.approx(statistics.median(r["call"][i]["us"] for r in rounds))
     assert profile["group_host_us"] == pytest.approx(statistics.median(r["group"] for r in rounds))
+    # a group's host cost by the call's tokens: E/k (each expert once, group_host_us) and the longer prefills
+    g = profile["geometry"]
+    by_tokens = profile["group_host_by_tokens"]
+    assert [r["tokens"] for r in by_tokens] == [-(-g["experts"] // g["top_k"]), 64, 512]
+    assert by_tokens[0]["us"] == profile["group_host_us"]
+    for i, row in enumerate(by_tokens):
+        assert row["us"] == pytest.approx(statistics.median(r["group_by_tokens"][i]["us"] for r in rounds))
     assert profile["fetch_host_us"][0]["us"] == pytest.approx(statistics.median(r["fetch"][0]["us"] for r in rounds))
     assert profile["module_copy_ms"] == pytest.approx(statistics.median(r["module"] for r in rounds))
     assert [r["launch_host_ms"] * 1e3 for r in profile["predictor_ms"]] == pytest.approx(
@@ -1112,14 +1119,14 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     alone = profile_round(profile, 1)
     assert alone["call_host_us"] == rounds[1]["call"] and alone["fetch_host_us"] == rounds[1]["fetch"]
     assert (alone["group_host_us"], alone["module_copy_ms"]) == (rounds[1]["group"], rounds[1]["module"])
+    assert alone["group_host_by_tokens"] == rounds[1]["group_by_tokens"]
     assert [r["launch_host_ms"] * 1e3 for r in alone["predictor_ms"]] == pytest.approx(
         [rounds[1]["launch"][str(B)] for B in (1, 2)])
     assert alone["copy"] == profile["copy"] and alone["layer_ms"] == profile["layer_ms"]
-    assert Costs(alone).group_host_ms == pytest.approx(rounds[1]["group"] / 1e3 * Costs(alone).host_scale)
+    assert Costs(alone).group_host_ms(1) == pytest.approx(rounds[1]["group"] / 1e3 * Costs(alone).host_scale)
     with pytest.raises(ValueError, match="kept 2 rounds"):
         profile_round(profile, 2)
     assert profile["provenance"]["machine"]  # a profile says which machine it describes
-    g = profile["geometry"]
     layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]
     assert g["expert_bytes"] == sum(p[0].nbytes for p in expert_params(layer.experts).values())
     assert g["expert_bytes"] in [c["bytes"] for c in profile["copy"]]  # one expert's own copy size is measured
@@ -1161,7 +1168,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4 or 5"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5 or 6"):
         load_profile(tmp_path / "old.json")
 
 

@@ -208,6 +208,25 @@ def test_simulated_times_follow_the_profile(embedded):
     assert results["slow"]["stall_ms"] > results["fast"]["stall_ms"] > 0  # on-demand copies on the compute stream
 
 
+def test_a_prefill_groups_host_cost_is_taken_at_the_calls_tokens(embedded):
+    """A version 6 profile's group cost by tokens: interpolated on a log scale between the sizes measured, the nearest
+    outside them; a profile without it charges its one group cost at every size. A host-bound prefill of many groups
+    (on-demand's) takes the cost of its own length: longer where the profile's groups cost more."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    flat = Costs(cpu_profile(shape))
+    assert flat.group_host_ms(4) == flat.group_host_ms(512) == pytest.approx(0.040)
+    grown = {**cpu_profile(shape), "profile_version": 6,
+             "group_host_by_tokens": [{"tokens": 4, "us": 40.0}, {"tokens": 64, "us": 400.0}, {"tokens": 512, "us": 400.0}]}
+    costs = Costs(grown)
+    assert [costs.group_host_ms(T) for T in (1, 4, 16, 64, 512, 4096)] == pytest.approx([0.04, 0.04, 0.22, 0.4, 0.4, 0.4])
+    ttft = {name: run(Simulator(shape, c, POLICIES["on-demand"]), ((0, p) for p in random_passes(shape, 1, 64, 2)))
+            for name, c in (("flat", flat), ("grown", costs))}
+    groups = shape.num_layers * shape.num_experts // (shape.top_k // 2) - shape.num_layers  # past each call's first
+    extra = ttft["grown"]["ttft_ms"]["mean"] - ttft["flat"]["ttft_ms"]["mean"]
+    assert 0 < extra <= groups * (0.4 - 0.04) + 1e-9
+    assert ttft["grown"]["bytes_h2d"] == ttft["flat"]["bytes_h2d"]
+
+
 def test_the_engines_host_sections_are_timed_on_the_simulated_clock_without_changing_it(embedded, trained):
     shape = ModelShape.of("embedded", dtype="float32")
     costs = Costs(cpu_profile(shape))
@@ -242,7 +261,7 @@ def test_a_host_of_another_pace_scales_every_host_cost_and_no_device_cost(embedd
     profile = {**cpu_profile(shape), "host_op_us": {"median": 10.0, "min": 9.0, "max": 12.0}}
     same, slow = Costs(profile), Costs(profile, 20.0)
     assert Costs(profile, 10.0).host_scale == same.host_scale == 1.0 and slow.host_scale == 2.0
-    for host in (lambda c: c.copy_host_ms, lambda c: c.group_host_ms, lambda c: c.call_host_ms("decode", 4),
+    for host in (lambda c: c.copy_host_ms, lambda c: c.group_host_ms(64), lambda c: c.call_host_ms("decode", 4),
                  lambda c: c.routing_host_ms("prefill", 64), lambda c: c.fetch_host_ms(64),
                  lambda c: c.predictor_ms(1)[0], lambda c: c.pass_ms("layer_ms", "decode", 1, 16)[0]):
         assert host(slow) == pytest.approx(2 * host(same)) and host(same) > 0
@@ -387,15 +406,19 @@ def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache():
 
 def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
     """Version 2 timed dequantization eagerly (quantized stores overstated); before version 4 a call's host time has
-    no routing part (policies that wait for their misses overstated): each simulation says what applies to it."""
+    no routing part (policies that wait for their misses overstated); before version 6 a prefill group's host cost
+    was timed at E/k tokens only (long prefills understated): each simulation says what applies to it."""
     from duoserve.bench.whatif import SimulateSettings, simulate
 
     shape = ModelShape.of("embedded", dtype="float32")
     notes = {}
-    for version in (2, 3, 4):
+    for version in (2, 3, 4, 6):
         path = tmp_path / f"v{version}.json"
         rows = [{**row, "routing_us": row["us"] / 2} for row in cpu_profile(shape)["call_host_us"]]
-        path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version, "call_host_us": rows}))
+        by_tokens = {"group_host_by_tokens": [{"tokens": 4, "us": 40.0}, {"tokens": 64, "us": 60.0}]} \
+            if version >= 6 else {}
+        path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version, "call_host_us": rows,
+                                    **by_tokens}))
         for policy in ("duoserve", "lru"):
             for fmt in ("model", "fp8"):
                 s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=[policy],
@@ -405,7 +428,9 @@ def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
     assert dequant == [(2, "duoserve", "fp8"), (2, "lru", "fp8")]
     routing = [key for key, said in notes.items() if any("no routing_us" in note and "lru" in note for note in said)]
     assert routing == [(v, "lru", fmt) for v in (2, 3) for fmt in ("model", "fp8")]
-    assert notes[4, "lru", "fp8"] == notes[3, "duoserve", "fp8"] == []
+    groups = [key for key, said in notes.items() if any("E/k tokens only" in note for note in said)]
+    assert groups == [key for key in notes if key[0] < 6]
+    assert notes[6, "lru", "fp8"] == notes[6, "duoserve", "model"] == []
 
 
 def test_a_simulation_of_a_trained_predictor_says_when_the_profile_timed_only_its_bare_call(tmp_path, trained):

@@ -99,7 +99,9 @@ class Costs:
         self.module_copy_ms = profile["module_copy_ms"]
         self._fetch_host = [(math.log2(r["slots"]), max(r["us"], profile["copy_host_us"]) / 1e3 * h)
                             for r in profile["fetch_host_us"]]
-        self.group_host_ms = profile["group_host_us"] / 1e3 * h
+        # (log2 tokens, ms) of a prefill group's host cost; one point (at E/k tokens) before version 6
+        by_tokens = profile.get("group_host_by_tokens") or [{"tokens": 1, "us": profile["group_host_us"]}]
+        self._group_host = [(math.log2(r["tokens"]), r["us"] / 1e3 * h) for r in by_tokens]
         # the engine's whole launch where the profile timed it, else the bare call; the device's part from the latter
         self._predictor = [(r["batch"], (r.get("launch_host_ms", r["host_ms"]) * h,
                                          max(r["wall_ms"] - r["host_ms"], 0.0))) for r in profile["predictor_ms"]]
@@ -122,6 +124,12 @@ class Costs:
     def group_ms(self, counts: Iterable[int]) -> float:
         """Compute-stream time of one group of experts with ``counts`` tokens each."""
         return self._base + sum(map(self.per_expert_ms, counts))
+
+    def group_host_ms(self, tokens: int) -> float:
+        """Host time each compute group past a call's first adds, in a call of ``tokens`` (between the sizes
+        measured, on a log scale; the nearest outside them)."""
+        points = self._group_host
+        return _interp(points, min(max(math.log2(max(tokens, 1)), points[0][0]), points[-1][0]))
 
     def call_host_ms(self, phase: str, tokens: int) -> float:
         """Host time of a layer call of ``tokens`` whose experts are all cached."""

@@ -30,7 +30,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches):
                 a prefill of every expert through caches of 4k and k slots, fetched in groups of 2k and k/2, the
                 difference in host time over the difference in groups (version 3 and before: one such call
-                less a hit call and E fetches, which left a per-expert part in it)
+                less a hit call and E fetches, which left a per-expert part in it); a call of E/k tokens, each
+                expert routed once. ``group_host_by_tokens`` (version 6; not required): the same by the call's
+                tokens, E/k and ``GROUP_TOKENS`` (each expert routed by T*k/E tokens), as a group's host cost grows
+                with its pairs; the simulator takes it at the call's tokens
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for; and, not required
                 (files without it are read, the call's own host time then standing for it), ``launch_host_ms``:
@@ -93,15 +96,17 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
+# 6: group_host_by_tokens, a prefill group's host cost by the call's tokens (group_host_us: at E/k tokens);
 # 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
 # each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 5
-READABLE_PROFILE_VERSIONS = (2, 3, 4, 5)
+PROFILE_VERSION = 6
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
+GROUP_TOKENS = (64, 512)  # prefill lengths (besides E/k) whose groups' host cost a profile measures
 
 
 @dataclass
@@ -379,18 +384,26 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
             spent = statistics.median((c.fetch_us - entry_us) / c.fetched for c in timed) if timed else 0.0
             fetch.append({"slots": slots, "us": max(spent, copy_us)})  # at least the copy's own queueing
 
-        # one prefill call of every expert, none cached, through caches of 4k and k slots: the same E misses in groups
-        # of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for any k). A group costs the
-        # difference over the difference in groups, what each expert costs (its fetch, its pair rows) cancelling; one
-        # call less a hit call and E decode-time fetches leaves that in (on an H100 it read 1.0 ms a group where the
-        # bench's host sections showed 0.74)
-        prefill = []
-        for slots in (4 * k, k):
-            with torch.no_grad(), engine(slots) as e:
-                times = [call(e, i % L, "prefill", every) for i in range(calls + 2 * L)]
-                prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
-        (few_us, few), (many_us, many) = prefill
-        return {"call": rows, "fetch": fetch, "group": max((many_us - few_us) / (many - few), 0.0), "launch": launch_us,
+        def group_us(ids: np.ndarray) -> float:
+            """One prefill call of ``ids`` (every expert routed, none cached) through caches of 4k and k slots: the
+            same E misses in groups of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for
+            any k). A group costs the difference over the difference in groups, what each expert costs (its fetch,
+            its pair rows) cancelling; one call less a hit call and E decode-time fetches leaves that in (on an H100
+            it read 1.0 ms a group where the bench's host sections showed 0.74)."""
+            prefill = []
+            for slots in (4 * k, k):
+                with torch.no_grad(), engine(slots) as e:
+                    times = [call(e, i % L, "prefill", ids) for i in range(calls + 2 * L)]
+                    prefill.append((median(times[2 * L:])[0], -(-E // e.grouped.group_size(stores[0]))))
+            (few_us, few), (many_us, many) = prefill
+            return max((many_us - few_us) / (many - few), 0.0)
+
+        # by the call's tokens, each expert routed by T*k/E of them: a group's host cost grows with its pairs (an H100
+        # read 0.59 ms a group at E/k tokens and 0.71 at 64, on-demand, benchmarks/group_host_probe.py)
+        by_tokens = [{"tokens": T, "us": group_us(np.resize(every, (T, k)))}
+                     for T in sorted({len(every), *GROUP_TOKENS} - set(range(len(every))))]
+        return {"call": rows, "fetch": fetch, "group": by_tokens[0]["us"], "group_by_tokens": by_tokens,
+                "launch": launch_us,
                 "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
                                                          settings=EngineSettings(step_graphs=s.step_graphs)),
                                            modules, model, s, device)}
@@ -508,8 +521,10 @@ def _with_engine_costs(profile: dict, engine_us: dict) -> dict:
     launch = {int(B): us for B, us in engine_us["launch"].items()}  # a round read back from JSON has string keys
     predictor_ms = [{**row, **({"launch_host_ms": launch[row["batch"]] / 1e3} if row["batch"] in launch else {})}
                     for row in profile["predictor_ms"]]
+    by_tokens = {"group_host_by_tokens": engine_us["group_by_tokens"]} if "group_by_tokens" in engine_us else {}
     return {**profile, "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
-            "group_host_us": engine_us["group"], "module_copy_ms": engine_us["module"], "predictor_ms": predictor_ms}
+            "group_host_us": engine_us["group"], **by_tokens, "module_copy_ms": engine_us["module"],
+            "predictor_ms": predictor_ms}
 
 
 def profile_round(profile: dict, i: int) -> dict:

@@ -15,8 +15,8 @@ over stand-ins that do no work but advance clocks by a device profile's costs (`
             ``module_copy_ms``); a quantized one lands in one of two staging buffers (the engine's chunks) and is
             then dequantized on the dequant stream, which alone waits for the slots' last readers
   compute   a group of experts with c_i tokens each costs the compute stream base + sum_i per_expert(c_i),
-            both fitted from the profile's groups of 1 and k experts, and the host ``group_host_us`` for each
-            group past a call's first
+            both fitted from the profile's groups of 1 and k experts, and the host ``group_host_us`` (by the call's
+            tokens where the profile has them) for each group past a call's first
   predictor a trained one runs on the host for its real predictions (computed 64 passes at a time in one batched
             call, ``Simulator.predict_ahead``); each call costs the profile's predictor call (host time, then
             device time on the predictor stream, which the prefetch waits for)
@@ -262,7 +262,7 @@ class Simulator:
             s.host += routing_ms
             if self.timers is not None:
                 self.timers.cpu.add(ROUTING_SECTION, s.host - before)
-            sched.compute.begin_call(host_ms - routing_ms)  # the rest of the call's host time, while misses copy
+            sched.compute.begin_call(host_ms - routing_ms, T)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
         s.block(s.compute)  # the next token is read

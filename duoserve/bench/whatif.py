@@ -112,6 +112,11 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
                      f"so {', '.join(waiting)}, which wait for every miss, come out slow where the host is the bound "
                      "(up to 1.27x the engine's decode on an H100); measure the device again with duoserve-run "
                      "profile")
+    if "group_host_by_tokens" not in profile:
+        notes.append("this profile timed a prefill group's host cost on calls of E/k tokens only, where a group of a "
+                     "longer prompt costs more (0.59 against 0.71 ms at 64 tokens on an H100): a host-bound prefill "
+                     "of many groups (on-demand's) comes out short; measure the device again with duoserve-run "
+                     "profile")
     if any(map(is_artifact, s.predictors)) and any("launch_host_ms" not in row for row in profile["predictor_ms"]):
         notes.append("this profile timed the predictor's bare call, not the engine's launch around it (its history "
                      "written, its ids and scores copied back): a trained predictor's time per token is understated "
