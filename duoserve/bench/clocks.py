@@ -159,13 +159,12 @@ class SimCompute:
     def __init__(self, cache, streams: SimStreams, timers: SimTimers | None, costs: Costs):
         self.cache, self.streams, self.timers, self.costs = cache, streams, timers, costs  # timers None: time nothing
         self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
-        self.call_host_ms = self.group_host_ms = 0.0
+        self.call_host_ms, self.tokens = 0.0, 0
 
     def begin_call(self, host_ms: float, tokens: int) -> None:
         """A layer call of ``tokens`` starts; ``host_ms``: its host time after its routing read, spent before its first
         group is launched (its fetches, if any, are queued before it: their copies run while the host works)."""
-        self.groups, self.call_host_ms = 0, host_ms
-        self.group_host_ms = self.costs.group_host_ms(tokens)
+        self.groups, self.call_host_ms, self.tokens = 0, host_ms, tokens
 
     def _counts(self, rows: np.ndarray) -> list[int]:
         n = (len(rows) - self.cache.slots) // 3
@@ -178,7 +177,7 @@ class SimCompute:
         return routing.pair_counts(slots)
 
     def _run(self, counts: list[int], slots: dict[int, int]) -> None:
-        self.streams.host += self.group_host_ms if self.groups else self.call_host_ms
+        self.streams.host += self.costs.group_host_ms(self.tokens) if self.groups else self.call_host_ms
         self.groups += 1
         self.streams.run(self.streams.compute, self.costs.group_ms(counts))
         self.cache.release(list(slots.values()))
