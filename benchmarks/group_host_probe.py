@@ -23,14 +23,13 @@ import torch
 
 from duoserve.bench.drivers import random_ids
 from duoserve.bench.harness import host_op_us, sync
+from duoserve.bench.profile import packed_experts
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.shapes import model_source
-from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config, resolve_device
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.settings import EngineSettings
-from duoserve.runtime.store import HostExperts, take_experts
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -45,11 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     with tempfile.TemporaryDirectory() as folder:
         model = model_from_config(model_source(args.shape, folder), device, dtype, args.layers)
-    layers = find_moe_layers(model)
-    stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
-    model.to(device)
-    g = moe_geometry(model, layers)
-    L, E, k = len(layers), g.num_experts, g.top_k
+    stores, (L, E, k) = packed_experts(model, device)
     H, hdtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
     rng = np.random.default_rng(0)
     rows = []

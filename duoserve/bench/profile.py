@@ -304,6 +304,16 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
     return calls
 
 
+def packed_experts(model, device: torch.device) -> tuple[list[HostExperts], tuple[int, int, int]]:
+    """``model``'s routed experts taken into packed host stores (pinned where ``device`` is a GPU), the rest of it moved
+    to ``device``: what an engine is made from; and its MoE geometry (L, E, k)."""
+    layers = find_moe_layers(model)
+    stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
+    model.to(device)
+    g = moe_geometry(model, layers)
+    return stores, (len(layers), g.num_experts, g.top_k)
+
+
 def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: float, calls: int = 20) -> dict:
     """Host microseconds of the engine's layer calls (the device idle when one starts, not waited for at its end):
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
@@ -313,11 +323,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     launch by batch (a ``duoserve`` engine with a random predictor, inside real generations); ``module``: the
     milliseconds of one expert fetched per module (``_module_fetch_ms``, from these experts in the per-module
     policies' pageable stores)."""
-    layers = find_moe_layers(model)
-    stores = take_experts(layers, lambda params: HostExperts.pack(params, pin=device.type == "cuda"))
-    model.to(device)
-    g = moe_geometry(model, layers)
-    L, E, k = len(layers), g.num_experts, g.top_k
+    stores, (L, E, k) = packed_experts(model, device)
     H, dtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
     nbytes = stores[0].layout.nbytes
     rng = np.random.default_rng(0)
