@@ -1158,6 +1158,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert all(r["wall_ms"] > 0 and r["host_ms"] > 0 for r in profile["predictor_ms"])
     assert all(r["launch_host_ms"] > 0 for r in profile["predictor_ms"])  # the engine's launch, timed in generations
     assert "per layer without its experts" in result.output and "the engine's launch of it" in result.output
+    assert "prefill group past a call's first" in result.output
     for name in PROFILE_FIELDS:
         broken = dict(profile)
         del broken[name]

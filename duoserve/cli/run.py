@@ -224,6 +224,8 @@ def profile_cmd(
     console.print(rest)
     console.print(f"copy queued in {result['copy_host_us']:.1f} us of host time; dequantizing one expert: "
                   + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items()))
+    console.print("host time of each prefill group past a call's first: "
+                  + ", ".join(f"{g['us']:.0f} us at {g['tokens']} tokens" for g in result["group_host_by_tokens"]))
     first = result["predictor_ms"][0]
     launch = f", the engine's launch of it {first['launch_host_ms']:.3f} ms" if "launch_host_ms" in first else ""
     pace = result["host_op_us"]
