@@ -6,9 +6,10 @@ prefills are simulated short).
     python3 benchmarks/group_host_probe.py --shape qwen3-30b-a3b-substrate --layers 4 --out RESULT.json
 
 For lru (its default cache, 2k slots: groups of k) and on-demand (k slots: groups of k/2), and each prompt of T
-tokens (E/k, 64, 512: every expert routed), a prefill layer call started on an idle device: its host milliseconds
-(its work not waited for) and its wall milliseconds (waited for), the median of ``--calls`` calls cycling through
-the layers (so none finds its experts cached), and the host per group. Needs a GPU for figures that mean anything
+random tokens (E/k, 64, 512: at E/k some experts go unrouted, from 64 on nearly none), a prefill layer call started
+on an idle device: its host milliseconds (its work not waited for) and its wall milliseconds (waited for), the
+median of ``--calls`` calls cycling through the layers (so none finds its experts cached), and the host per group
+(each call's host time over the groups its own routing needs). Needs a GPU for figures that mean anything
 (on the CPU the kernels run inside the host's time).
 """
 

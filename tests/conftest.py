@@ -11,6 +11,10 @@ from transformers import AutoTokenizer
 
 from duoserve.embedded import EMBEDDED_MODEL
 
+FLAME_MOE = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"  # real routing, outside the repo
+needs_flame_moe = pytest.mark.skipif(not FLAME_MOE.is_dir(),
+                                     reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
+
 def load_benchmark(name: str):
     """A script of ``benchmarks/`` as a module (the folder is not a package)."""
     script = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"

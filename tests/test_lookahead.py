@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -16,7 +14,7 @@ from duoserve.predictor.baselines import affinity_markov_scores
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.trace import open_trace
 from duoserve.train.fit import FitSettings, fit
-from tests.conftest import load_benchmark
+from tests.conftest import FLAME_MOE, load_benchmark, needs_flame_moe
 
 SMALL = dict(widths=(64,), epochs=1, batch_size=512, progress=False, clean=True)
 
@@ -164,17 +162,14 @@ def test_a_steps_first_layer_prefetches_each_target_from_its_own_head(device):
     assert len({tuple(np.array(ids[d]).ravel()) for d in range(3)}) == 3  # the three heads answer differently
 
 
-FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
-
-
-@pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
+@needs_flame_moe
 def test_a_real_models_routing_imports_and_trains_history_only_heads(tmp_path):
     flame = load_benchmark("flame_moe")
-    traces = flame.import_flame(FLAME, tmp_path)
+    traces = flame.import_flame(FLAME_MOE, tmp_path)
     table = load_routing([open_trace(t) for t in traces])
     assert (table.meta.num_layers, table.meta.num_experts, table.meta.top_k) == (25, 64, 6)
     assert len(table.requests) == 32 + 64 and len(table) == 32 * 64 + 64 * 10 and table.nextgate_depth == 0
-    encoder = np.load(FLAME / flame.FILES["flame-encoder"])["topk_indices"]  # L x T x k, sequence-major
+    encoder = np.load(FLAME_MOE / flame.FILES["flame-encoder"])["topk_indices"]  # L x T x k, sequence-major
     first = [i for i, (d, r) in enumerate(table.requests) if (d, r) == ("flame-encoder", 1)][0]
     rows = np.flatnonzero(table.request == first)
     rows = rows[np.argsort(table.position[rows])]

@@ -28,7 +28,7 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import put_experts
 from duoserve.runtime.streams import NullTimers
 from duoserve.trace.format import open_trace
-from tests.conftest import load_benchmark, write_trace
+from tests.conftest import load_benchmark, needs_flame_moe, write_trace
 
 
 def cpu_profile(shape: ModelShape) -> dict:
@@ -215,10 +215,10 @@ def test_a_prefill_groups_host_cost_is_taken_at_the_calls_tokens(embedded):
     shape = ModelShape.of("embedded", dtype="float32")
     flat = Costs(cpu_profile(shape))
     assert flat.group_host_ms(4) == flat.group_host_ms(512) == pytest.approx(0.040)
-    grown = {**cpu_profile(shape), "profile_version": 6,
-             "group_host_by_tokens": [{"tokens": 4, "us": 40.0}, {"tokens": 64, "us": 400.0}, {"tokens": 512, "us": 400.0}]}
-    costs = Costs(grown)
-    assert [costs.group_host_ms(T) for T in (1, 4, 16, 64, 512, 4096)] == pytest.approx([0.04, 0.04, 0.22, 0.4, 0.4, 0.4])
+    by_tokens = [{"tokens": T, "us": us} for T, us in ((4, 40.0), (64, 400.0), (512, 400.0))]
+    costs = Costs({**cpu_profile(shape), "profile_version": 6, "group_host_by_tokens": by_tokens})
+    assert [costs.group_host_ms(T) for T in (1, 4, 16, 64, 512, 4096)] == pytest.approx(
+        [0.04, 0.04, 0.22, 0.4, 0.4, 0.4])
     ttft = {name: run(Simulator(shape, c, POLICIES["on-demand"]), ((0, p) for p in random_passes(shape, 1, 64, 2)))
             for name, c in (("flat", flat), ("grown", costs))}
     groups = shape.num_layers * shape.num_experts // (shape.top_k // 2) - shape.num_layers  # past each call's first
@@ -566,7 +566,6 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
 
 
 SUBSTRATE_TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "substrate" / "traces"
-FLAME = Path(__file__).resolve().parents[2] / "shared" / "data" / "flame-moe"
 
 
 def _replays(shape_name: str, trace: Path) -> None:
@@ -583,7 +582,7 @@ def test_the_substrate_replay_shape_is_the_substrate_traces_geometry_at_qwen_wid
     _replays("qwen3-30b-a3b-substrate", SUBSTRATE_TRACE)
 
 
-@pytest.mark.skipif(not FLAME.is_dir(), reason="FLAME-MoE's routing traces live in ../shared/data/flame-moe (absent)")
+@needs_flame_moe
 def test_the_flame_replay_shape_is_flame_moes_geometry_at_qwen_widths(tmp_path):
     trace = load_benchmark("flame_moe").import_sequences(tmp_path / "flame")
     assert open_trace(trace).dataset.count_rows() == 32 * 64  # the encoder file's sequences, 64 tokens each

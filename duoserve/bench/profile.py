@@ -407,7 +407,7 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         # by the call's tokens, each expert routed by T*k/E of them: a group's host cost grows with its pairs (an H100
         # read 0.59 ms a group at E/k tokens and 0.71 at 64, on-demand, benchmarks/group_host_probe.py)
         by_tokens = [{"tokens": T, "us": group_us(np.resize(every, (T, k)))}
-                     for T in sorted({len(every), *GROUP_TOKENS} - set(range(len(every))))]
+                     for T in [len(every), *(t for t in GROUP_TOKENS if t > len(every))]]
         return {"call": rows, "fetch": fetch, "group": by_tokens[0]["us"], "group_by_tokens": by_tokens,
                 "launch": launch_us,
                 "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
