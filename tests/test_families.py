@@ -85,6 +85,15 @@ def test_every_family_trains_and_loads_with_torch_alone(family, embedded_trace, 
     assert logits.shape == (len(batch["target"]), embedded_trace.meta.num_experts)
 
 
+def test_the_default_family_is_hybrid_where_the_traces_carry_next_gate_scores(embedded_trace, tmp_path):
+    assert embedded_trace.meta.nextgate_scores  # what duoserve-trace collect records by default
+    result = fit(FitSettings(traces=[embedded_trace.path], out=tmp_path / "auto", **SMALL))
+    assert result.family == "hybrid" == load_predictor(tmp_path / "auto").spec.family
+    # next-gate scores recorded to depth 2: heads to depth 3 would lack them, so they take the paper family
+    assert embedded_trace.meta.lookahead == 2
+    assert fit(FitSettings(traces=[embedded_trace.path], out=tmp_path / "deep", lookahead=3, **SMALL)).family == "paper"
+
+
 def test_softmax_loss_sees_only_how_the_experts_rank_and_fits_from_the_cli(embedded_trace, tmp_path, monkeypatch):
     from types import SimpleNamespace
 
@@ -154,7 +163,10 @@ def test_version_1_traces_still_load_and_train_what_they_can(embedded_trace, tmp
     np.testing.assert_array_equal(table.ids, new.ids)
     both = load_routing([old, embedded_trace])  # mixed versions: the common width, no scores
     assert both.nextgate[1].shape[2] == old.meta.top_k and both.nextgate_scores == {}
-    fit(FitSettings(traces=[old.path], out=tmp_path / "paper", features=("popularity", "nextgate"), **SMALL))
+    # the default family (auto) is paper where the traces carry no next-gate scores
+    assert fit(FitSettings(traces=[old.path], out=tmp_path / "paper", features=("popularity", "nextgate"),
+                           **SMALL)).family == "paper"
+    assert json.loads((tmp_path / "paper" / "config.json").read_text())["feature_spec"]["family"] == "paper"
     with pytest.raises(ValueError, match="needs the next-gate's scores: traces of format version 2"):
         fit(FitSettings(traces=[old.path], out=tmp_path / "hybrid", family="hybrid", **SMALL))
     assert not (tmp_path / "hybrid").exists()

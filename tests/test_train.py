@@ -17,7 +17,7 @@ from duoserve.predictor import trained_requests
 from duoserve.train.fit import FitSettings, fit
 from tests.conftest import write_trace
 
-SMALL = dict(widths=(256, 128, 64), epochs=3, batch_size=512, progress=False)
+SMALL = dict(widths=(256, 128, 64), epochs=3, batch_size=512, progress=False, family="paper")  # its own inputs only
 
 
 @pytest.fixture(scope="module")

@@ -71,7 +71,8 @@ def fit_cmd(
     family: Annotated[str, typer.Option(
         help="paper: the DuoServe-MoE MLP (history + statistics); hybrid: its features plus the next-gate's "
              "scores; residual: the next-gate's log-probabilities plus a learned correction. hybrid and residual "
-             "need traces recorded with --lookahead >= 1.")] = FIT.family,
+             "need traces recorded with --lookahead >= 1 (duoserve-trace collect records depth 1). auto: hybrid "
+             "where the traces carry the next-gate's scores, else paper.")] = FIT.family,
     lookahead: Annotated[int, typer.Option(
         min=1, help="Heads for look-ahead depths 1..D: predict layer l+d's experts when layer l runs (the runtime's "
                     "--lookahead d needs D >= d). Next-gate features at depth d need traces recorded with "
@@ -116,7 +117,7 @@ def fit_cmd(
     summary = table(f"validation ({result.val_examples} token-layer examples) -> {result.out}", "predictor",
                     "exact-top-k", "at-least-half", "recall")
     for name, m in result.metrics.items():
-        label = name if name != "predictor" else f"[bold]trained MLP ({settings.family})[/]"
+        label = name if name != "predictor" else f"[bold]trained MLP ({result.family})[/]"
         summary.add_row(label, f"{m['exact_topk']:.3f}", f"{m['at_least_half']:.3f}", f"{m['recall']:.3f}")
     console.print(summary)
     console.print(f"{result.train_examples} training examples, {result.epochs} epoch(s), {result.seconds:.0f} s"

@@ -12,7 +12,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import lightning as pl
@@ -55,6 +55,7 @@ class FitResult:
     info: dict = field(default_factory=dict)
     work_dir: Path | None = None  # checkpoints and logs (None once cleaned)
     resumed: bool = False  # continued from a checkpoint: close to, but not bit-exact with, an uninterrupted fit
+    family: str = "paper"  # the family trained (``auto`` resolved)
 
 
 def depth_label(name: str, depth: int) -> str:
@@ -93,6 +94,13 @@ def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Exa
     return metrics
 
 
+def default_family(table, lookahead: int) -> str:
+    """``auto``'s family: hybrid where the traces carry the next-gate's scores to ``lookahead`` layers (it leads the
+    other families within a task on both substrates, docs/benchmarks.md), else paper (history and statistics only:
+    imported traces, version-1 traces, models without next-gate)."""
+    return "hybrid" if table.nextgate_depth >= lookahead and len(table.nextgate_scores) >= lookahead else "paper"
+
+
 def _work_dir(s: FitSettings) -> Path:
     return s.out.parent / f".{s.out.name}.lightning"
 
@@ -116,8 +124,10 @@ def fit(s: FitSettings) -> FitResult:
         raise ValueError("a next-layer predictor needs at least 2 MoE layers")
     if not 1 <= s.lookahead <= L - 1:
         raise ValueError(f"look-ahead must be in 1..{L - 1} layers for this {L}-layer model, got {s.lookahead}")
+    if s.family == "auto":
+        s = replace(s, family=default_family(table, s.lookahead))
     if s.family not in FAMILIES:
-        raise ValueError(f"unknown predictor family {s.family!r}; choose from {', '.join(FAMILIES)}")
+        raise ValueError(f"unknown predictor family {s.family!r}; choose from auto, {', '.join(FAMILIES)}")
     if s.loss not in LOSSES:
         raise ValueError(f"unknown loss {s.loss!r}; choose from {', '.join(LOSSES)}")
     if ("nextgate" in s.features or s.family != "paper") and table.nextgate_depth < s.lookahead:
@@ -179,7 +189,7 @@ def fit(s: FitSettings) -> FitResult:
     with _quiet(s.verbose):
         trainer.fit(module, datamodule=RoutingDataModule(table, train, val, s.batch_size), ckpt_path=resume)
     result = FitResult(None, {}, len(train.token), len(val.token), trainer.current_epoch, 0.0, work_dir=work,
-                       resumed=resume is not None)
+                       resumed=resume is not None, family=s.family)
     if not trainer.is_global_zero:
         return result
 

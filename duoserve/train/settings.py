@@ -27,7 +27,7 @@ class FitSettings:
     widths: tuple[int, ...] = PAPER_WIDTHS
     dropout: float = 0.1
     features: Sequence[str] = ("popularity", "affinity")  # plus "nextgate" if wanted
-    family: str = "paper"  # duoserve.predictor.model.FAMILIES
+    family: str = "auto"  # duoserve.predictor.model.FAMILIES, or auto: hybrid where the traces carry next-gate scores
     lookahead: int = 1  # A: one head per depth 1..A (predict layer l+d when layer l runs)
     epochs: int = 10
     batch_size: int = 1024
