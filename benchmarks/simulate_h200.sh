@@ -21,9 +21,9 @@
 #                (``duoserve.bench.shapes.REPLAY_SHAPES``) -> duoserve/bench/profiles/h200-qwen3-30b-a3b-{substrate,flame}.json
 #   substrate, flame  the engine replaying a real routing trace through a config-only model of that shape, with a
 #                paper-family predictor fitted on the trace (carried): the substrate's committed trace
-#                (SUBSTRATE_PREDICTOR from duoserve-train fit benchmarks/data/substrate/traces --epochs 3 --out DIR)
+#                (SUBSTRATE_PREDICTOR from duoserve-train fit benchmarks/data/substrate/traces --family paper --epochs 3 --out DIR)
 #                and FLAME-MoE's 64-token sequences (FLAME_TRACE from python benchmarks/flame_moe.py --import-to DIR,
-#                FLAME_PREDICTOR from duoserve-train fit FLAME_TRACE --epochs 5 --out DIR): duoserve (trained, none),
+#                FLAME_PREDICTOR from duoserve-train fit FLAME_TRACE --family paper --epochs 5 --out DIR): duoserve (trained, none),
 #                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens, 3 rounds
 #                -> benchmarks/results/simulate_bench_qwen3-30b-a3b-{substrate,flame}_h200.json
 #   slots        (not in the default set) the engine's one-group expert compute of a B = 1 and B = 8 decode call by
