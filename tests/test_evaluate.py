@@ -105,6 +105,7 @@ def test_embedded_report_ranks_the_mlp_above_statistics_baselines(embedded_repor
         {p.name for p in folder.iterdir()}
     md = (folder / "report.md").read_text()
     assert "## decode tokens" in md and "next-gate speculation on exact-top-k" in md
+    assert "(hybrid family)" in md  # the default family on a trace with next-gate scores, named
     saved = load_report(folder)
     assert saved.overall("decode").loc["trained MLP", "exact_topk"] == decode.loc["trained MLP", "exact_topk"]
 

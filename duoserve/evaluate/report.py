@@ -33,9 +33,10 @@ def per_layer(report: AccuracyReport, phase: str, metric: str, depth: int = 1) -
 
 def to_markdown(report: AccuracyReport, extra: str = "") -> str:
     info, k = report.info, report.info["geometry"]["top_k"]
+    family = info.get("predictor_config", {}).get("feature_spec", {}).get("family", "paper")
     parts = [
         "# Expert-prediction accuracy report", "",
-        f"Predictor `{info['predictor']}` on traces {', '.join(f'`{t}`' for t in info['traces'])}: "
+        f"Predictor `{info['predictor']}` ({family} family) on traces {', '.join(f'`{t}`' for t in info['traces'])}: "
         f"{info['evaluated_requests']} requests it was not trained on ({info['evaluated_tokens']} tokens, "
         f"{info['examples']} token-layer predictions); {info['skipped_trained_requests']} trained-on requests "
         f"skipped. Geometry L={info['geometry']['num_layers']}, E={info['geometry']['num_experts']}, k={k}. "
