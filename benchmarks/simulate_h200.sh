@@ -14,8 +14,10 @@
 #                each folder with simulate_validation.py --results DIR --profiles DIR)
 #   qwen-budget  duoserve (oracle:0.9) and lru at a 2 GB cache, the same shape and sizes
 #                -> benchmarks/results/simulate_bench_qwen3-30b-a3b_2gb_h200.json
-#   embedded     the embedded model on its own trace replayed with the predictor trained on it (make demo's
-#                out/traces and out/predictor, carried), in bf16 as its profile: duoserve (trained, none),
+#   embedded     the embedded model on its own trace replayed with a history-only predictor trained on it (make demo's
+#                out/traces and PREDICTOR from duoserve-train fit out/traces --family paper --epochs 4 --out DIR,
+#                carried: make demo's own is a next-gate family, whose guesses the engine would take from the bench's
+#                prompts, not the trace's tokens), in bf16 as its profile: duoserve (trained, none),
 #                on-demand, lru; B = 1 and 8, prompt 64, 16 new tokens -> benchmarks/results/simulate_bench_embedded_h200.json
 #   replay-profiles  device profiles of Qwen3-30B-A3B's widths at the larger substrate's and FLAME-MoE's geometry
 #                (``duoserve.bench.shapes.REPLAY_SHAPES``) -> duoserve/bench/profiles/h200-qwen3-30b-a3b-{substrate,flame}.json
@@ -42,7 +44,7 @@ set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 PROFILES=${PROFILES:-duoserve/bench/profiles}
 TRACE=${TRACE:-out/traces}
-PREDICTOR=${PREDICTOR:-out/predictor}
+PREDICTOR=${PREDICTOR:-out/validation/embedded-predictor}
 SUBSTRATE_PREDICTOR=${SUBSTRATE_PREDICTOR:-out/validation/substrate-predictor}
 FLAME_TRACE=${FLAME_TRACE:-out/validation/flame-trace}
 FLAME_PREDICTOR=${FLAME_PREDICTOR:-out/validation/flame-predictor}

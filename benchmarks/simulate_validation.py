@@ -31,7 +31,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from duoserve.bench.drivers import RandomRouting, ReplayRouting
+from duoserve.bench.drivers import RandomRouting, ReplayRouting, is_artifact
 from duoserve.bench.profile import profile_round
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.costs import Costs, resolve_profile
@@ -61,6 +61,15 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
     predictor = r["predictor"] or "none"
     sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings, sections=True)
     return run(sim, bench_passes(routing, r["batch_size"], r["prompt_len"], r["new_tokens"]))
+
+
+def reads_next_gate(predictor: str | None) -> bool:
+    """Whether a bench run's predictor is an artifact fed the next-gate: on a replayed trace the engine computes it
+    from its own prompts' hidden states, not the trace's tokens, so no simulation can replay those guesses."""
+    if not predictor or not is_artifact(predictor):
+        return False
+    spec = json.loads((Path(predictor) / "config.json").read_text())["feature_spec"]
+    return spec.get("family", "paper") != "paper" or spec.get("nextgate", False)
 
 
 def compare(simulated: dict, measured: dict) -> tuple[dict, dict, bool]:
@@ -118,6 +127,11 @@ def main(argv: list[str] | None = None) -> dict:
             rounds.setdefault((r["policy"], r["predictor"], r["batch_size"], r["prompt_len"]), []).append(r)
         for runs in rounds.values():
             r = runs[0]
+            if trace and reads_next_gate(r["predictor"]):
+                why = f"{r['predictor']} reads the next-gate, which a replayed trace's engine takes from other tokens"
+                print(f"skipping {name} {r['policy']} B={r['batch_size']}: {why}", file=sys.stderr)
+                skipped.append({"bench": name, "policy": r["policy"], "batch_size": r["batch_size"], "why": why})
+                continue
             pace = {"runs": statistics.median(x["host_op_us"] for x in runs), "profile": profile_pace}
             measured = {"ttft_ms": statistics.median(x["ttft_s"] for x in runs) * 1e3,
                         "tpot_ms": statistics.median(x["tpot_ms"] for x in runs)}
