@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from duoserve import load_predictor
 from duoserve.bench.drivers import OraclePredictor, RandomRouting
 from duoserve.bench.clocks import SimCompute, SimStore, SimStreams
 from duoserve.bench.costs import Costs
@@ -515,10 +516,12 @@ def test_accuracy_report_ranks_scorers_by_what_they_buy(tmp_path, embedded_trace
     assert times == sorted(times)  # ranked by latency
 
 
-def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_path, embedded_trace, monkeypatch):
+def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_path, embedded_trace,
+                                                                            embedded_predictor, monkeypatch):
     """benchmarks/simulate_validation.py on a real CPU bench of the embedded model replaying its trace and a real CPU
     profile in a folder of its own (``--profiles``): a row per policy and batch, the replayed routing's bytes equal
-    to the bench's, the measured figures the rounds' medians, the host's pace during both beside them."""
+    to the bench's, the measured figures the rounds' medians, the host's pace during both beside them; a next-gate
+    predictor's runs skipped, as the engine fed it guesses on other tokens than the trace's."""
     from typer.testing import CliRunner
 
     from duoserve.cli.run import app as run_app
@@ -529,7 +532,9 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
     (tmp_path / "out" / "traces").symlink_to(embedded_trace.path)
     results, profiles = tmp_path / "results", tmp_path / "profiles"
     runner = CliRunner()
+    assert load_predictor(embedded_predictor).spec.family == "hybrid"  # the default family on this trace
     bench = ["bench", "--model", "embedded", "--routing", "out/traces", "--policy", "on-demand", "--policy", "lru",
+             "--policy", "duoserve", "--predictor", str(embedded_predictor),
              "--batch-size", "1", "--batch-size", "2", "--prompt-len", "8", "--new-tokens", "3", "--repeats", "2",
              "--out", str(results / "simulate_bench_embedded_h100.json")]
     profile = ["profile", "--model", "embedded", "--layers", "2", "--batch-size", "1", "--batch-size", "2",
@@ -544,6 +549,8 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
                                                       str(profiles), "--out", str(tmp_path / "validation.json")])
     rows = {(r["policy"], r["batch_size"]): r for r in out["rows"]}
     assert set(rows) == {(p, B) for p in ("on-demand", "lru") for B in (1, 2)}
+    assert {(r["policy"], r["batch_size"]) for r in out["skipped"]} == {("duoserve", 1), ("duoserve", 2)}
+    assert all("reads the next-gate" in r["why"] for r in out["skipped"])
     for (policy, batch), row in rows.items():
         runs = [r for r in measured if (r["policy"], r["batch_size"]) == (policy, batch)]
         assert row["rounds"] == len(runs) == 2
