@@ -543,6 +543,8 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
         result = runner.invoke(run_app, args)
         assert result.exit_code == 0, result.output
         assert ("the host's pace over the runs" in " ".join(result.output.split())) == (args is bench)
+        assert ("reads the next-gate, computed on this run's prompts" in " ".join(result.output.split())) == \
+            (args is bench)  # the bench says its guesses on replayed routing are not the trace's
     measured = json.loads((results / "simulate_bench_embedded_h100.json").read_text())["runs"]
     pace = json.loads((profiles / "h100-embedded.json").read_text())["host_op_us"]["median"]
     out = load_benchmark("simulate_validation").main(["--machine", "h100", "--results", str(results), "--profiles",

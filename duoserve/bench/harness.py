@@ -303,6 +303,11 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
     say = on_status or (lambda text: None)
     policies = [get_policy(p) for p in s.policies]
     loaded = _load_predictors(s.predictors, s.routing)
+    # the routers' guesses come from this run's hidden states, whose routing is not the one forced on it
+    notes = [f"{spec} reads the next-gate, computed on this run's prompts: with --routing {s.routing} its guesses are "
+             "not the ones it would make on the routing forced here (compare a next-gate predictor with "
+             "--routing router, or fit --family paper)" for spec, p in loaded.items()
+             if p.spec.uses_nextgate and s.routing != "router"]
     device = resolve_device(s.device)
     model, stores, bandwidth = prepare(s, policies, device, say)
     layers = find_moe_layers(model)
@@ -330,7 +335,7 @@ def bench(s: BenchSettings, on_run: Callable[[dict, dict], None] | None = None,
             "routing": s.routing, "prompt_lens": s.prompt_lens, "grid": s.grid, "new_tokens": s.new_tokens,
             "baseline_new_tokens": s.baseline_new_tokens,
             **{k: v for k, v in asdict(s.engine).items() if k != "pin"}, "pin_keys": len(s.engine.pin),
-            "bandwidth": bandwidth, "complete": complete, "skipped": skipped, "runs": runs,
+            "bandwidth": bandwidth, "complete": complete, "skipped": skipped, "notes": notes, "runs": runs,
             "targets": check_targets(runs),
         }
 

@@ -264,6 +264,8 @@ def _print_bench(result: dict, rounds: bool) -> None:
                       "--host-op-us replays a run at its pace)")
     for note in result.get("skipped", []):
         console.print(f"[yellow]not run[/yellow] {note['policy']}: {note['reason']}")
+    for note in result.get("notes", []):
+        console.print(f"[yellow]note[/yellow]: {note}")
     if result["device"] == "cpu":
         console.print("The CPU stood in for a GPU: bytes, hit rates and correctness carry over, times do not. The "
                       "runtime's targets are GPU targets and are not checked here (docs/runtime.md has the H200's).")

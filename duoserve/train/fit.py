@@ -94,7 +94,7 @@ def validation_metrics(predictor: ExpertPredictor, table: RoutingTable, val: Exa
     return metrics
 
 
-def default_family(table, lookahead: int) -> str:
+def default_family(table: RoutingTable, lookahead: int) -> str:
     """``auto``'s family: hybrid where the traces carry the next-gate's scores to ``lookahead`` layers (it leads the
     other families within a task on both substrates, docs/benchmarks.md), else paper (history and statistics only:
     imported traces, version-1 traces, models without next-gate)."""
