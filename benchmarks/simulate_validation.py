@@ -36,6 +36,7 @@ from duoserve.bench.profile import profile_round
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.costs import Costs, resolve_profile
 from duoserve.bench.simulate import ModelShape, Simulator, bench_passes, run
+from duoserve.predictor.model import FeatureSpec
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.settings import EngineSettings
 
@@ -68,8 +69,7 @@ def reads_next_gate(predictor: str | None) -> bool:
     from its own prompts' hidden states, not the trace's tokens, so no simulation can replay those guesses."""
     if not predictor or not is_artifact(predictor):
         return False
-    spec = json.loads((Path(predictor) / "config.json").read_text())["feature_spec"]
-    return spec.get("family", "paper") != "paper" or spec.get("nextgate", False)
+    return FeatureSpec(**json.loads((Path(predictor) / "config.json").read_text())["feature_spec"]).uses_nextgate
 
 
 def compare(simulated: dict, measured: dict) -> tuple[dict, dict, bool]:
