@@ -35,7 +35,7 @@ demo: setup
 	$(VENV)/bin/duoserve-trace info $(OUT)/traces
 	$(VENV)/bin/duoserve-eval health $(OUT)/traces
 	$(VENV)/bin/duoserve-train stats $(OUT)/traces --out $(OUT)/stats.safetensors
-	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4
+	$(VENV)/bin/duoserve-train fit $(OUT)/traces --out $(OUT)/predictor --epochs 4 --clean
 	$(VENV)/bin/duoserve-eval accuracy $(OUT)/traces --predictor $(OUT)/predictor --out $(OUT)/report
 	$(VENV)/bin/duoserve-run generate --predictor $(OUT)/predictor --out $(OUT)/generate.json
 	$(VENV)/bin/duoserve-run bench --predictor $(OUT)/predictor --predictor none --policy duoserve \
