@@ -36,7 +36,7 @@ from duoserve.bench.profile import profile_round
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.costs import Costs, resolve_profile
 from duoserve.bench.simulate import ModelShape, Simulator, bench_passes, run
-from duoserve.predictor.model import FeatureSpec
+from duoserve.predictor.artifact import predictor_spec
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.settings import EngineSettings
 
@@ -67,9 +67,7 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
 def reads_next_gate(predictor: str | None) -> bool:
     """Whether a bench run's predictor is an artifact fed the next-gate: on a replayed trace the engine computes it
     from its own prompts' hidden states, not the trace's tokens, so no simulation can replay those guesses."""
-    if not predictor or not is_artifact(predictor):
-        return False
-    return FeatureSpec(**json.loads((Path(predictor) / "config.json").read_text())["feature_spec"]).uses_nextgate
+    return bool(predictor) and is_artifact(predictor) and predictor_spec(predictor).uses_nextgate
 
 
 def compare(simulated: dict, measured: dict) -> tuple[dict, dict, bool]:

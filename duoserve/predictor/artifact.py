@@ -38,9 +38,9 @@ def save_predictor(model: ExpertPredictor, out: str | Path, info: dict, train_re
     return out
 
 
-def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> ExpertPredictor:
-    """Load an exported predictor (eval mode) with torch alone."""
-    path = Path(path)
+def _read_config(path: Path) -> tuple[dict, FeatureSpec, tuple[int, ...], float]:
+    """A predictor folder's config.json, checked (format version, geometry against the feature spec), with its
+    feature spec, widths and dropout."""
     if not (path / "config.json").exists() or not (path / "model.safetensors").exists():
         raise FileNotFoundError(f"{path} is not a predictor folder (needs config.json and model.safetensors)")
     try:
@@ -58,6 +58,18 @@ def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> Expe
         raise ValueError(f"{path / 'config.json'}: its geometry block (L={geometry.get('num_layers')}, "
                          f"E={geometry.get('num_experts')}, k={geometry.get('top_k')}) contradicts its feature spec "
                          f"(L={spec.num_layers}, E={spec.num_experts}, k={spec.top_k}); the artifact was edited")
+    return config, spec, widths, dropout
+
+
+def predictor_spec(path: str | Path) -> FeatureSpec:
+    """An exported predictor's feature spec (geometry, family, next-gate inputs), read without its weights."""
+    return _read_config(Path(path))[1]
+
+
+def load_predictor(path: str | Path, device: str | torch.device = "cpu") -> ExpertPredictor:
+    """Load an exported predictor (eval mode) with torch alone."""
+    path = Path(path)
+    config, spec, widths, dropout = _read_config(path)
     model = ExpertPredictor(spec, widths, dropout)
     state = load_file(str(path / "model.safetensors"))
     expected = model.state_dict()
