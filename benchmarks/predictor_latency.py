@@ -5,16 +5,17 @@
     python benchmarks/predictor_latency.py --device cuda --family residual   # another family (paper, hybrid, residual)
     python benchmarks/predictor_latency.py --device cuda --lookahead 3       # heads for depths 1..3, timed at 3
 
-Geometry L=48, E=128, k=8 (Qwen3-30B-A3B's) with the paper's widths and random weights and
-statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with
-the sparse (embedding-bag) first layer, and on CUDA: CUDA graphs of the folded one (fp32, bf16,
-fp32 through torch.compile) and of the sparse one, and the call the runtime makes (``runtime``:
-the deployed ``TrainedPredictor``'s compiled graph of the scores and their top k, ``top``). Hybrid and
-residual predictors are also handed the next-gate's 2k ids and scores (computed by the runtime
-from the router; not timed here). With ``--lookahead A`` the predictor has A heads and is called
-at depth A (the affinity chain's A-1 steps run at every depth: the cost does not depend on it).
-Reports the median per-call latency, each variant's speed-up over eager in the same run, and on
-CUDA the GPU memory the predictor holds.
+Geometry L=48, E=128, k=8, hidden size 2048 (Qwen3-30B-A3B's) with the paper's widths and random weights
+and statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with the sparse
+(embedding-bag) first layer, and on CUDA: CUDA graphs of the folded one (fp32, bf16, fp32 through torch.compile)
+and of the sparse one, and the call the runtime makes (``runtime``: the deployed ``TrainedPredictor``'s
+compiled graph of the scores and their top k, ``top``, for one target layer and depth). Hybrid and residual
+predictors read the next-gate's 2k ids and scores: every variant computes them from a random bf16 router of the
+target layer on the hidden states (eagerly in the eager ones, inside the graph in the graphed ones), as the
+runtime does. With ``--lookahead A`` the predictor has A heads and is called at depth A (the affinity chain's
+A-1 steps run at every depth: the cost does not depend on it). Reports the median per-call latency, each
+variant's speed-up over eager in the same run, and on CUDA the GPU memory the predictor holds, with one graph
+and with the graphs of every target layer the runtime captures (``runtime_all_targets``).
 Targets (issue): at most 0.1 ms and 100 MB on the H200; paper: about 0.6 ms and 300 MB.
 """
 
@@ -28,7 +29,9 @@ import torch
 
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.shapes import random_predictor
+from duoserve.discovery import next_gate_fn
 from duoserve.predictor.fast import (
+    Gate,
     GraphedPredictor,
     SparseHistoryPredictor,
     TrainedPredictor,
@@ -54,27 +57,29 @@ def routed_ids(g: torch.Generator, L: int, E: int, k: int) -> torch.Tensor:
     return torch.rand(1, L, E, generator=g).argsort(-1)[..., :k]
 
 
-def next_gate_inputs(model, g: torch.Generator, device) -> tuple[torch.Tensor, ...]:
-    """The next-gate ids (1 x m, distinct) and scores (1 x m, best first) a family takes; () for none."""
+def target_gate(model, hidden_size: int, device) -> Gate | None:
+    """The next-gate of the target layer, over a random bf16 router (as the runtime's), for a family that reads it;
+    None for one that does not."""
     s = model.spec
     if not s.uses_nextgate:
-        return ()
-    ids = torch.rand(1, s.num_experts, generator=g).argsort(-1)[:, :s.width].to(device)
-    scores = torch.rand(1, s.width, generator=g).sort(-1, descending=True).values.to(device)
-    return (ids, scores) if s.uses_scores else (ids,)
+        return None
+    router = torch.nn.Linear(hidden_size, s.num_experts, bias=False).to(device, torch.bfloat16)
+    return next_gate_fn(router, s.top_k, s.width, s.uses_scores)
 
 
-def agreement_with_eager(model, graphed, L: int, E: int, k: int, device, samples: int = 500) -> float:
-    A = model.spec.lookahead
+def agreement_with_eager(model, graphed, gate: Gate | None, hidden_size: int, L: int, E: int, k: int, device,
+                         samples: int = 500) -> float:
     """Share of random inputs on which the graphed predictor picks the same top-k set as eager float32."""
+    A = model.spec.lookahead
     g = torch.Generator().manual_seed(1)
     same = 0
     for _ in range(samples):
         history = routed_ids(g, L, E, k).to(device)
         target = torch.randint(A, L, (1,), generator=g).to(device)
         depth = torch.randint(1, A + 1, (1,), generator=g).to(device)
-        extra = next_gate_inputs(model, g, device)
-        same += torch.equal(graphed(history, target, *extra, depth=depth).sort().values,
+        hidden = torch.randn(1, hidden_size, generator=g).to(device, torch.bfloat16)
+        extra = gate(hidden) if gate is not None else ()
+        same += torch.equal(graphed(history, target, depth=depth, hidden=hidden).sort().values,
                             model.predict(history, target, *extra, depth=depth).sort().values)
     return same / samples
 
@@ -98,23 +103,27 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=2000)
     ap.add_argument("--family", choices=FAMILIES, default="paper")
     ap.add_argument("--lookahead", type=int, default=1, help="Heads for depths 1..A; calls are timed at depth A.")
+    ap.add_argument("--hidden-size", type=int, default=2048, help="The next-gate router's input width.")
     args = ap.parse_args()
     device = torch.device(args.device)
-    L, E, k = args.layers, args.experts, args.top_k
+    L, E, k, A = args.layers, args.experts, args.top_k, args.lookahead
 
     base_mem = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
-    model = random_predictor(L, E, k, PAPER_WIDTHS, args.family, args.lookahead).to(device)
+    model = random_predictor(L, E, k, PAPER_WIDTHS, args.family, A).to(device)
     params = sum(p.numel() for p in model.parameters()) + sum(b.numel() for b in model.buffers())
     history = routed_ids(torch.Generator().manual_seed(0), L, E, k).to(device)
     target = torch.tensor([L // 2], device=device)
-    depth = torch.tensor([args.lookahead], device=device)
-    extra = next_gate_inputs(model, torch.Generator().manual_seed(2), device)
+    depth = torch.tensor([A], device=device)
     eager_mb = (torch.cuda.memory_allocated(device) - base_mem) / 2**20 if device.type == "cuda" else 0.0
-    variants = {"eager": lambda: model.predict(history, target, *extra, depth=depth)}
-    folded = fold_batchnorm(model)
-    variants["bn_folded"] = lambda: folded.predict(history, target, *extra, depth=depth)
-    sparse = SparseHistoryPredictor(model)
-    variants["bn_folded_sparse"] = lambda: sparse.predict(history, target, *extra, depth=depth)
+    gate = target_gate(model, args.hidden_size, device)
+    hidden = torch.randn(1, args.hidden_size, generator=torch.Generator().manual_seed(2)).to(device, torch.bfloat16)
+
+    def eager(m) -> torch.Tensor:
+        return m.predict(history, target, *(gate(hidden) if gate is not None else ()), depth=depth)
+
+    folded, sparse = fold_batchnorm(model), SparseHistoryPredictor(model)
+    variants = {"eager": lambda: eager(model), "bn_folded": lambda: eager(folded),
+                "bn_folded_sparse": lambda: eager(sparse)}
     memory, agreement, gpu_time = {"eager_model": eager_mb}, {}, {}
     if device.type == "cuda":
         for name, dtype, sparse_graph, compiled in (("cuda_graph", torch.float32, False, False),
@@ -125,17 +134,24 @@ def main() -> None:
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype, sparse=sparse_graph,
-                                       compile=compiled)
-            graphed(history, target, *extra, depth=depth)
+                                       compile=compiled, gate=gate, hidden=hidden)
+            graphed(history, target, depth=depth, hidden=hidden)
             torch.cuda.synchronize(device)
             memory[name] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
                             "peak": (torch.cuda.max_memory_allocated(device) - before) / 2**20}
-            variants[name] = lambda g=graphed: g(history, target, *extra, depth=depth)
-            agreement[name] = agreement_with_eager(model, graphed, L, E, k, device)
+            variants[name] = lambda g=graphed: g(history, target, depth=depth, hidden=hidden)
+            agreement[name] = agreement_with_eager(model, graphed, gate, args.hidden_size, L, E, k, device)
             gpu_time[name] = replay_gpu_ms(graphed, device)
-        # what the engine deploys: the compiled graph of the scores and their top k
+        # what the engine deploys: the compiled graph of the scores and their top k, the next-gate inside it
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
         deployed = TrainedPredictor(model, device, compile=True)
-        variants["runtime"] = lambda: deployed.top(history, L // 2, k, *extra, depth=args.lookahead)
+        variants["runtime"] = lambda: deployed.top(history, L // 2, k, hidden, gate, depth=A)
+        for t in range(A, L):  # every target layer's graph, as a decode step captures them
+            deployed.top(history, t, k, hidden, gate, depth=A)
+        torch.cuda.synchronize(device)
+        memory["runtime_all_targets"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
+                                         "graphs": len(deployed._graphs)}
     results = {}
     for name, fn in variants.items():
         for _ in range(20):
@@ -143,7 +159,7 @@ def main() -> None:
         results[name] = time_calls(fn, device, args.iters)
     report = {
         "benchmark": "predictor_latency", "family": args.family, "lookahead": args.lookahead,
-        "geometry": {"L": L, "E": E, "k": k},
+        "geometry": {"L": L, "E": E, "k": k, "hidden_size": args.hidden_size},
         "widths": list(PAPER_WIDTHS), "input_dim": model.spec.input_dim, "parameters_and_buffers": params,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu",
         "threads": torch.get_num_threads(), "torch": torch.__version__, "batch_size": 1,
@@ -159,6 +175,9 @@ def main() -> None:
         print(f"{name}: holds {memory[name]['held']:.1f} MB GPU memory (peak {memory[name]['peak']:.1f} MB), "
               f"{gpu_time[name]:.3f} ms GPU time per replay, top-k sets equal to eager fp32 on "
               f"{agreement[name]:.1%} of random inputs")
+    if device.type == "cuda":
+        every = memory["runtime_all_targets"]
+        print(f"runtime: holds {every['held']:.1f} MB GPU memory with the graphs of all {every['graphs']} target layers")
     write_result(args.out, report)
 
 

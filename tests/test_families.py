@@ -206,16 +206,59 @@ def test_next_gate_families_replay_as_cuda_graphs(family, compile):
     nextgate = torch.rand(B, E, generator=g).argsort(-1)[:, :m]  # B x m
     scores = torch.rand(B, m, generator=g).sort(1, descending=True).values
     deployed = TrainedPredictor(model, "cuda", compile=compile)
-    deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda())  # captured (compiled first)
-    replayed = deployed.scores(history.cuda(), 3, nextgate.cuda(), scores.cuda()).cpu()
+    features = (nextgate.cuda(), scores.cuda())
+
+    def gate(hidden: None) -> tuple[torch.Tensor, ...]:  # the next-gate's features, whatever the hidden states
+        return features
+
+    deployed.scores(history.cuda(), 3, None, gate)  # captured (compiled first)
+    replayed = deployed.scores(history.cuda(), 3, None, gate).cpu()
     with torch.no_grad():
         expected = model(history, torch.full((B,), 3), nextgate, scores).sigmoid()
     torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
     for _ in range(2):  # the runtime's call: the top k selected inside its own graph
-        values, ids = deployed.top(history.cuda(), 3, k, nextgate.cuda(), scores.cuda())
+        values, ids = deployed.top(history.cuda(), 3, k, None, gate)
     torch.testing.assert_close(values.cpu(), expected.topk(k).values, atol=1e-4, rtol=1e-4)
     assert [set(r) for r in ids.tolist()] == [set(r) for r in expected.topk(k).indices.tolist()]
     assert deployed.nextgate == m
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")])])
+def test_the_prefetch_computes_a_hybrid_predictors_next_gate_from_each_layers_own_hidden_states(device):
+    """The runtime's call takes the layer's hidden states and the target's next-gate: the predictor computes the
+    next-gate inside its call (on CUDA inside its graph). Each call's scores must be those of that call's hidden states
+    through that target's router (a graph replaying stale hidden states, or another target's router, fails)."""
+    from duoserve.discovery import next_gate_fn
+    from duoserve.predictor import TrainedPredictor
+    from duoserve.runtime.prefetch import DecodePrefetch
+    from duoserve.runtime.streams import EngineTimers, Streams
+
+    L, E, k, m, B, H = 6, 16, 4, 8, 3, 24
+    torch.manual_seed(0)
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3, family="hybrid", nextgate_width=m, lookahead=2),
+                            widths=(64, 32)).eval()
+    with torch.no_grad():
+        model.mlp[-1].weight.normal_()
+    routers = [torch.nn.Linear(H, E, bias=False).to(device) for _ in range(L)]
+    gates = [None] + [next_gate_fn(r, k, m) for r in routers[1:]]
+    streams = Streams(torch.device(device))
+    plan = DecodePrefetch(TrainedPredictor(model, device), None, [], streams, EngineTimers(streams), (L, E, k), 2,
+                          0.0, gates)
+    plan.begin_step(B)
+    idx = torch.rand(B, E, generator=torch.Generator().manual_seed(1)).argsort(-1)[:, :k].to(device)  # B x k
+    for seed in range(3):  # the first call captures the graphs, the others replay them on new hidden states
+        hidden = torch.randn(B, H, generator=torch.Generator().manual_seed(10 + seed)).to(device)  # B x H
+        ids, vals, done = plan.launch(0, hidden, idx, streams.record(), [1, 2])
+        if done is not None:
+            done.synchronize()
+        history = plan.history.cpu()
+        for d, t in enumerate([1, 2]):
+            with torch.no_grad():
+                features = [f.cpu() for f in gates[t](hidden)]
+                expected = model(history, torch.full((B,), t), *features, torch.full((B,), t)).sigmoid().topk(k)
+            torch.testing.assert_close(torch.from_numpy(np.array(vals[d])), expected.values, atol=1e-4, rtol=1e-4)
+            assert [set(r) for r in np.array(ids[d]).tolist()] == [set(r) for r in expected.indices.tolist()]
 
 
 @pytest.mark.gpu

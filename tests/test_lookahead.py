@@ -121,12 +121,18 @@ def test_lookahead_heads_replay_as_cuda_graphs():
     nextgate = torch.rand(B, E, generator=g).argsort(-1)[:, :m]  # B x m
     scores = torch.rand(B, m, generator=g).sort(1, descending=True).values
     deployed = TrainedPredictor(model, "cuda")
-    for depth in (1, 3, 2):  # one graph per batch size serves every depth
-        replayed = deployed.scores(history.cuda(), 5, nextgate.cuda(), scores.cuda(), depth=depth).cpu()
-        with torch.no_grad():
-            expected = model(history, torch.full((B,), 5), nextgate, scores, torch.full((B,), depth)).sigmoid()
-        torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
-    assert len(deployed._graphs) == 1
+    features = (nextgate.cuda(), scores.cuda())
+
+    def gate(hidden: None) -> tuple[torch.Tensor, ...]:  # the next-gate's features, whatever the hidden states
+        return features
+
+    for _ in range(2):  # captured, then replayed: a graph per depth, its target and depth fixed in it
+        for depth in (1, 3, 2):
+            replayed = deployed.scores(history.cuda(), 5, None, gate, depth=depth).cpu()
+            with torch.no_grad():
+                expected = model(history, torch.full((B,), 5), nextgate, scores, torch.full((B,), depth)).sigmoid()
+            torch.testing.assert_close(replayed, expected, atol=1e-4, rtol=1e-4)
+    assert len(deployed._graphs) == 3
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(

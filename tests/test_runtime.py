@@ -245,15 +245,17 @@ def _next_gate_run(embedded, predictor, lookahead: int = 1) -> dict:
                            settings=EngineSettings(lookahead=lookahead)) as engine:
             top = engine.prefetch.predictor.top
 
-            def spy(history, target, count, nextgate=None, nextgate_scores=None, depth=1):
+            def spy(history, target, count, hidden=None, gate=None, depth=1):
                 asked.append((target, depth))
+                assert hidden is inputs[target - depth]  # the predictor gets layer t - d's MoE input itself
+                nextgate, nextgate_scores = (*gate(hidden), None)[:2]  # what the predictor's call computes
                 logits, _, routed = layers[target].router(inputs[target - depth])  # T x k: the router's own choice
                 probs = logits.float().softmax(-1).gather(1, nextgate)
                 scored = nextgate_scores is not None and torch.allclose(nextgate_scores, probs)
                 seen.append(nextgate.shape[1] == predictor.spec.width
                             and torch.equal(nextgate[:, :k].sort(1).values, routed.sort(1).values)
                             and (scored if predictor.spec.uses_scores else nextgate_scores is None))
-                return top(history, target, count, nextgate, nextgate_scores, depth)
+                return top(history, target, count, hidden, gate, depth)
 
             engine.prefetch.predictor.top = spy
             tokens = _generate(model, tokenizer)[0]

@@ -56,7 +56,7 @@ from duoserve.bench.shapes import model_source
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
-from duoserve.predictor.fast import TrainedPredictor, top_k
+from duoserve.predictor.fast import Gate, TrainedPredictor, top_k
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.scheduler import ROUTING_SECTION, ExpertScheduler
 from duoserve.runtime.settings import EngineSettings
@@ -142,13 +142,14 @@ class _TimedPredictor:
         for (key, _, t, d, _), part in zip(asks, scores.split(sizes)):
             self.table[key, t, d] = part
 
-    def top(self, history: torch.Tensor, target: int, k: int, *nextgate, depth: int = 1) -> tuple[torch.Tensor, ...]:
+    def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
+            gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, ...]:
         host_ms, device_ms = self.costs.predictor_ms(len(history))
         self.streams.host += host_ms
         self.streams.run(self.streams.predict, device_ms)
         filled = self.table.get((self.key, target, depth))
         if filled is None:
-            return self.predictor.top(history, target, k, *nextgate, depth=depth)
+            return self.predictor.top(history, target, k, hidden, gate, depth=depth)
         return top_k(filled, k)
 
 

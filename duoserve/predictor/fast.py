@@ -5,18 +5,23 @@ At batch 1 the predictor is launch-bound and its first layer dominates the bytes
 the kernels; reading only the first layer's columns of the active (layer, expert) pairs, as an
 embedding bag, removes the multi-hot and most of the weight traffic; replaying a captured CUDA
 graph turns what is left into one launch. Shape legend: B examples, W window, E experts, k top-k,
-H width of the first hidden layer.
+F width of the first hidden layer, D input width, H the model's hidden size, m next-gate width.
 """
 
 from __future__ import annotations
 
 import copy
 import warnings
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from duoserve.predictor.model import ExpertPredictor
+
+# the next-gate of a target layer, B x H hidden states to its router's B x m ids (and their B x m scores):
+# ``duoserve.discovery.next_gate_fn``
+Gate = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
@@ -47,9 +52,9 @@ class SparseHistoryPredictor(nn.Module):
         s, first = self.inner.spec, self.inner.mlp[0]
         self.spec = s
         hist = s.window * s.num_experts
-        weight = first.weight.detach()  # H x D
+        weight = first.weight.detach()  # F x D
         zero = torch.zeros(1, weight.shape[0], dtype=weight.dtype, device=weight.device)
-        self.register_buffer("history_rows", torch.cat([weight[:, :hist].T, zero]))  # (W*E + 1) x H; last: padding
+        self.register_buffer("history_rows", torch.cat([weight[:, :hist].T, zero]))  # (W*E + 1) x F; last: padding
         self.dense = nn.Linear(weight.shape[1] - hist, weight.shape[0], device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             self.dense.weight.copy_(weight[:, hist:])
@@ -64,7 +69,7 @@ class SparseHistoryPredictor(nn.Module):
         ids, valid = self.inner.window(history, target.long() - depth)  # B x W x k, B x W
         rows = torch.arange(s.window, device=ids.device)[None, :, None] * s.num_experts + ids  # B x W x k
         rows = torch.where(valid[..., None], rows, s.window * s.num_experts)  # missing layers: the zero row
-        h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x H
+        h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x F
         dense = self.inner.dense_features(ids, target, depth, nextgate, nextgate_scores)
         out = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x A*E
         return self.inner.head(out, depth, nextgate, nextgate_scores)
@@ -78,6 +83,24 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return top.values, top.indices
 
 
+def graph_call(model: nn.Module, output: str, budget: int) -> Callable:
+    """What a graph captures: ``(history, target, nextgate, nextgate_scores, depth)`` to the ``output`` (see
+    ``GraphedPredictor``) of ``model``."""
+    def ids(*inputs: torch.Tensor | None) -> torch.Tensor:
+        return model.predict(*inputs[:4], budget, inputs[4])  # B x budget
+
+    def scores(*inputs: torch.Tensor | None) -> torch.Tensor:
+        return model(*inputs).sigmoid()  # B x E
+
+    def top(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        return top_k(scores(*inputs), budget)
+
+    calls = {"ids": ids, "scores": scores, "top": top}
+    if output not in calls:
+        raise ValueError(f"unknown predictor graph output {output!r}; choose from {', '.join(calls)}")
+    return calls[output]
+
+
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
@@ -89,84 +112,91 @@ class GraphedPredictor:
     ``output``: what the graph returns: ``ids`` (the top ``budget`` ids, B x budget), ``scores`` (B x E sigmoid
     scores) or ``top`` (the top ``budget`` scores and their ids, B x budget each: what the runtime's prefetch reads,
     so its selection is in the graph, not a launch after it); ``module``: an already BatchNorm-folded copy on
-    ``device`` to share between the graphs of several batch sizes (then ``sparse`` and ``dtype`` are the module's own).
+    ``device`` to share between graphs (then ``sparse`` and ``dtype`` are the module's own); ``compiled``: a compiled
+    form of ``graph_call(module, output, budget)`` shared between graphs (compiled once; ``compiled_ok`` says whether
+    it ran, else the plain call was captured); ``pool``: a graph memory pool to share (graphs replayed one after
+    another on one stream may: each keeps its own outputs).
 
-    ``__call__(history, target[, nextgate, nextgate_scores, depth])`` copies the inputs into static buffers, replays
-    the graph on the current stream, and returns the static output (valid until the next call); ``replay`` does the
-    same with the target layers and depths given as one 2 x B tensor (a launch fewer: the runtime's call).
+    ``gate``: the target layer's next-gate (``Gate``), run inside the graph on a static copy of the B x H hidden
+    states it reads (``hidden``: an example of their shape and dtype, or None for a gate that reads none); without
+    it, a predictor that reads next-gate features takes them as inputs, copied into static buffers.
+
+    ``__call__(history, target[, nextgate, nextgate_scores, depth, hidden])`` copies the inputs into static buffers,
+    replays the graph on the current stream, and returns the static output (valid until its next replay); ``replay``
+    does the same with the target layers and depths given as one 2 x B tensor, or left as set (``where``).
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
-                 compile: bool = False, output: str = "ids", module: nn.Module | None = None):
+                 compile: bool = False, output: str = "ids", module: nn.Module | None = None,
+                 gate: Gate | None = None, hidden: torch.Tensor | None = None, compiled: Callable | None = None,
+                 pool: tuple | None = None):
         s = predictor.spec
-        calls = {"ids": self._top, "scores": self._scores, "top": self._top_scores}
-        if output not in calls:
-            raise ValueError(f"unknown predictor graph output {output!r}; choose from {', '.join(calls)}")
+        self.budget = budget or s.top_k
         if module is None:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
-        self.model = module
+        self.model, self.gate = module, gate
+        plain = graph_call(module, output, self.budget)
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
         # 2 x B: each example's target layer and depth, in one buffer so that ``replay`` fills both in one copy
         self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)
         self.target, self.depth = self.where  # B, B: views the graph reads
-        self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if s.uses_nextgate else None
-        self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if s.uses_scores else None
-        self.budget = budget or s.top_k
-        call = calls[output]
-        self._call = torch.compile(call, fullgraph=True) if compile else call
+        self.hidden = None if gate is None or hidden is None else \
+            torch.zeros(batch_size, hidden.shape[-1], dtype=hidden.dtype, device=device)  # B x H
+        takes = s.uses_nextgate and gate is None
+        self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if takes else None
+        self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if takes and s.uses_scores else None
+        self._call = compiled or (torch.compile(plain, fullgraph=True) if compile else plain)
+        self.compiled_ok = self._call is not plain
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
             try:
                 self._warm_up()
             except Exception as err:  # compiling is a speed-up only: a machine it fails on still runs the call
-                if not compile:
+                if not self.compiled_ok:
                     raise
                 warnings.warn(f"torch.compile of the predictor's call failed ({type(err).__name__}: {err}); its CUDA "
                               "graph captures the plain call", stacklevel=2)
-                self._call = call
+                self._call, self.compiled_ok = plain, False
                 self._warm_up()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, stream=side), torch.no_grad():  # one side stream: one cuBLAS workspace
+        # one side stream: one cuBLAS workspace
+        with torch.cuda.graph(self.graph, pool=pool, stream=side), torch.no_grad():
             self.out = self._run()
-
-    def _top(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
-             nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
-        return self.model.predict(history, target, nextgate, nextgate_scores, self.budget, depth)  # B x budget
-
-    def _scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
-                nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> torch.Tensor:
-        return self.model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
-
-    def _top_scores(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None,
-                    nextgate_scores: torch.Tensor | None, depth: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return top_k(self._scores(history, target, nextgate, nextgate_scores, depth), self.budget)
 
     def _warm_up(self) -> None:
         for _ in range(3):  # allocations and kernels (and a compiled call's compilation) outside the capture
             self._run()
 
-    def _run(self) -> torch.Tensor:
-        return self._call(self.history, self.target, self.nextgate, self.nextgate_scores, self.depth)
+    def _run(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if self.gate is None:
+            features = (self.nextgate, self.nextgate_scores)
+        else:  # B x m ids (and scores) of the target layer's router
+            features = (*self.gate(self.hidden), None)[:2]
+        return self._call(self.history, self.target, *features, self.depth)
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                 nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None) -> torch.Tensor:
+                 nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self.target.copy_(target, non_blocking=True)
         if depth is None:
             self.depth.fill_(1)
         else:
             self.depth.copy_(depth, non_blocking=True)
-        return self.replay(history, None, nextgate, nextgate_scores)
+        return self.replay(history, None, hidden, nextgate, nextgate_scores)
 
-    def replay(self, history: torch.Tensor, where: torch.Tensor | None, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor:
-        """The call for ``where`` (2 x B: target layers, then depths; None: those already set)."""
+    def replay(self, history: torch.Tensor, where: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+               nextgate: torch.Tensor | None = None,
+               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The call for ``where`` (2 x B: target layers, then depths; None: those already set) on ``hidden`` (the
+        gate's input) or the given next-gate features."""
         self.history.copy_(history, non_blocking=True)
         if where is not None:
             self.where.copy_(where, non_blocking=True)
-        for static, given in ((self.nextgate, nextgate), (self.nextgate_scores, nextgate_scores)):
+        for static, given in ((self.hidden, hidden), (self.nextgate, nextgate),
+                              (self.nextgate_scores, nextgate_scores)):
             if static is not None:
                 static.copy_(given, non_blocking=True)
         self.graph.replay()
@@ -180,11 +210,14 @@ CPU_ROWS = 1024
 
 class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
-    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where
-    on CUDA each batch size gets a CUDA graph of the call (sharing the folded weights), so a layer's prediction
-    costs the host one replay instead of a launch per operation (about 30). ``compile``: each graph is captured
-    from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; the first call of each batch
-    size compiles it, which takes seconds).
+    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
+    CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included
+    (sharing the folded weights and one memory pool), so a layer's prediction costs the host one replay and the
+    copies of the routing history and the hidden states in, where eager work would launch about 30 kernels and a
+    graph taking its next-gate as inputs 5 more and 2 more copies. ``compile``: the graphs are captured from
+    ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is compiled once, at the first
+    call, which takes seconds). A graph's target layer and depth are fixed at capture (no copy of them a call);
+    a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size, a few KB each.
     """
 
     on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
@@ -193,8 +226,9 @@ class TrainedPredictor:
                  compile: bool = False):
         self.predictor, self.compile = predictor, compile
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
-        self._graphs: dict[tuple, GraphedPredictor] = {}  # (batch size, output, k) -> captured call
-        self._where: dict[tuple, tuple[torch.Tensor, ...]] = {}  # (B, layer, depth, device) -> (2 x B, its rows)
+        self._graphs: dict[tuple, GraphedPredictor] = {}  # (B, output, k, target, depth, gate) -> captured call
+        self._compiled: dict[tuple, Callable | None] = {}  # (output, k) -> the compiled call its graphs share
+        self._pool: tuple | None = None  # the graphs' memory pool
 
     @property
     def nextgate(self) -> int:
@@ -223,38 +257,47 @@ class TrainedPredictor:
         return torch.cat([self.model(*(None if x is None else x[i:i + CPU_ROWS] for x in inputs))
                           for i in range(0, len(history), CPU_ROWS)])  # B x E
 
-    def _filled(self, B: int, target: int, depth: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """2 x B (``target`` for every example, then ``depth``) on ``device``, and its two rows: made once per call
-        shape, not fill kernels per layer of every decode step; one tensor, so a graph's copy of it is one launch."""
-        key = (B, target, depth, device)
-        if key not in self._where:
-            where = torch.tensor([[target] * B, [depth] * B], dtype=torch.long, device=device)  # 2 x B
-            self._where[key] = (where, *where)
-        return self._where[key]
-
     @torch.no_grad()
-    def scores(self, history: torch.Tensor, target: int, nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> torch.Tensor:
+    def scores(self, history: torch.Tensor, target: int, hidden: torch.Tensor | None = None,
+               gate: Gate | None = None, depth: int = 1) -> torch.Tensor:
         """B x E scores in [0, 1] of layer ``target``, predicted ``depth`` layers ahead, for every sequence (on the
-        current stream)."""
-        return self._call("scores", history, target, nextgate, nextgate_scores, depth)
+        current stream), from the B x L x k routing ``history`` and, for a predictor that reads them, the next-gate
+        features ``gate`` (the target's next-gate) gives on ``hidden`` (B x H: the source layer's MoE input). On
+        CUDA a gate must be the same object at each call for a target (it is part of the captured graph)."""
+        return self._call("scores", history, target, hidden, gate, depth)
 
     @torch.no_grad()
-    def top(self, history: torch.Tensor, target: int, k: int, nextgate: torch.Tensor | None = None,
-            nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
+            gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``k`` best of ``scores`` and their expert ids (B x k each): what the runtime's prefetch reads. On CUDA
-        the selection is part of the replayed graph, and its outputs hold until the next ``top`` of this B and k."""
-        return self._call("top", history, target, nextgate, nextgate_scores, depth, k)
+        the selection is part of the replayed graph, and its outputs hold until that graph's next replay."""
+        return self._call("top", history, target, hidden, gate, depth, k)
 
-    def _call(self, output: str, history: torch.Tensor, target: int, nextgate: torch.Tensor | None,
-              nextgate_scores: torch.Tensor | None, depth: int,
-              k: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        B = len(history)
-        where, layer, ahead = self._filled(B, target, depth, history.device)  # 2 x B, B, B
-        if history.device.type != "cuda":
-            scores = self.model(history, layer, nextgate, nextgate_scores, ahead).sigmoid()  # B x E
+    def _call(self, output: str, history: torch.Tensor, target: int, hidden: torch.Tensor | None, gate: Gate | None,
+              depth: int, k: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        B, device = len(history), history.device
+        if device.type != "cuda":
+            features = (*gate(hidden), None)[:2] if gate is not None else (None, None)
+            layer, ahead = torch.full((B,), target), torch.full((B,), depth)  # B, B
+            scores = self.model(history, layer, *features, ahead).sigmoid()  # B x E
             return scores if output == "scores" else top_k(scores, k)
-        if (B, output, k) not in self._graphs:
-            self._graphs[B, output, k] = GraphedPredictor(self.predictor, B, k, device=history.device, output=output,
-                                                          compile=self.compile, module=self.model)
-        return self._graphs[B, output, k].replay(history, where, nextgate, nextgate_scores)
+        key = (B, output, k, target, depth, gate)
+        if key not in self._graphs:
+            self._graphs[key] = self._capture(B, output, k, target, depth, gate, hidden, device)
+        return self._graphs[key].replay(history, hidden=hidden)
+
+    def _capture(self, B: int, output: str, k: int | None, target: int, depth: int, gate: Gate | None,
+                 hidden: torch.Tensor | None, device: torch.device) -> GraphedPredictor:
+        """The graph of one call, for ``target`` at ``depth``, its compiled form shared with the graphs of the same
+        output (the first one compiles it; dropped where compiling failed)."""
+        budget = k or self.predictor.spec.top_k
+        if self.compile and (output, budget) not in self._compiled:
+            self._compiled[output, budget] = torch.compile(graph_call(self.model, output, budget), fullgraph=True)
+        graphed = GraphedPredictor(self.predictor, B, budget, device=device, output=output, module=self.model,
+                                   gate=gate, hidden=hidden, compiled=self._compiled.get((output, budget)),
+                                   pool=self._pool)
+        if self.compile and not graphed.compiled_ok:
+            self._compiled[output, budget] = None
+        graphed.where.copy_(torch.tensor([[target] * B, [depth] * B]))  # fixed: read at each replay
+        self._pool = self._pool or graphed.graph.pool()
+        return graphed

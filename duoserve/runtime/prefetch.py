@@ -2,7 +2,8 @@
 
 At decode layer l the predictor scores layer l+d (d = the look-ahead; a step's first layer predicts
 1..d) with its depth-d head from the token's routing history up to l (and, for predictors trained with
-them, next-gate ids and scores: layer t's router on this layer's input), on its own stream. Its top
+them, next-gate ids and scores: layer t's router on this layer's input, computed inside the predictor's
+call, on a GPU inside its CUDA graph), on its own stream. Its top
 experts, the batch's union scored at least the minimum score, best first, are copied into the cache
 at once, so the target layer finds them resident; its router's real choice is still checked and a miss is fetched then.
 
@@ -14,10 +15,9 @@ Shape legend: B sequences, L MoE layers, E experts, k top-k, H hidden size, D ta
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from duoserve.predictor.fast import Gate
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.sources import HostPredictor, LayerPredictor
 from duoserve.runtime.store import HostExperts
@@ -32,7 +32,7 @@ class DecodePrefetch:
     def __init__(self, predictor: LayerPredictor | HostPredictor, cache: ExpertCache, stores: list[HostExperts],
                  streams: Streams, timers: EngineTimers, geometry: tuple[int, int, int], lookahead: int,
                  min_score: float,
-                 next_gate: list[Callable[[torch.Tensor], tuple[torch.Tensor, ...]] | None] | None):
+                 next_gate: list[Gate | None] | None):
         self.predictor, self.cache, self.stores, self.streams, self.timers = predictor, cache, stores, streams, timers
         self.L, self.E, self.k = geometry
         self.lookahead, self.min_score, self.next_gate = lookahead, min_score, next_gate
@@ -78,9 +78,9 @@ class DecodePrefetch:
         with self.streams.on(stream), self.timers.predict.span(stream):
             self.history[:, l].copy_(idx)
             for d, t in enumerate(targets):
-                # next-gate: layer t's router on this layer's MoE input; the head of depth t - l
-                features = self.next_gate[t](hidden) if self.next_gate else ()
-                top_vals, top_ids = self.predictor.top(self.history, t, self.k, *features, depth=t - l)  # B x k each
+                # the head of depth t - l; next-gate features: layer t's router on this layer's MoE input
+                gate = self.next_gate[t] if self.next_gate else None
+                top_vals, top_ids = self.predictor.top(self.history, t, self.k, hidden, gate, depth=t - l)  # B x k each
                 # read before the next target's call replays over them (a CUDA graph's outputs are static)
                 ids[d].copy_(top_ids, non_blocking=True)
                 vals[d].copy_(top_vals, non_blocking=True)

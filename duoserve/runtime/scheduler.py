@@ -34,6 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from duoserve.predictor.fast import Gate
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing
 from duoserve.runtime.policies import Policy
@@ -73,7 +74,7 @@ class ExpertScheduler:
     def __init__(self, geometry: tuple[int, int, int], stores: list[HostExperts], policy: Policy,
                  settings: EngineSettings, streams: Streams, compute: Callable,
                  predictor: LayerPredictor | HostPredictor | None = None,
-                 next_gate: list[Callable | None] | None = None, timers: EngineTimers | None = None):
+                 next_gate: list[Gate | None] | None = None, timers: EngineTimers | None = None):
         self.L, self.E, self.k = geometry
         if len(stores) != self.L:
             raise ValueError(f"{len(stores)} expert stores for {self.L} MoE layers")

@@ -18,6 +18,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from duoserve.predictor.fast import Gate
+
 
 class RoutingSource(Protocol):
     def begin(self, tokens: int) -> torch.Tensor: ...  # L x T x k for the forward pass starting (host or device)
@@ -26,18 +28,19 @@ class RoutingSource(Protocol):
 
 class LayerPredictor(Protocol):
     """Scores layer ``target``'s experts for each sequence of a decode step, on the device, ``depth`` layers ahead
-    (1..``lookahead``), from the B x L x k routing history up to layer target - depth (and the next-gate's B x m
-    ids for ``target`` on that layer's input, if it uses them: ``nextgate`` says how many, 0 for none; and their
-    scores, if ``nextgate_scores``). ``top`` gives each sequence's ``k`` best scores in [0, 1] and their expert ids
-    (B x k each, on the device; they may be overwritten by its next call)."""
+    (1..``lookahead``), from the B x L x k routing history up to layer target - depth (and, if it uses them, the
+    next-gate's B x m ids for ``target``: ``gate``, the target's next-gate, applied to ``hidden``, the B x H MoE input
+    of layer target - depth; ``nextgate`` says how many ids, 0 for none, and ``nextgate_scores`` whether their
+    scores too). ``top`` gives each sequence's ``k`` best scores in [0, 1] and their expert ids (B x k each, on the
+    device; they may be overwritten by a later call)."""
 
     on_host = False
     nextgate: int
     nextgate_scores: bool
     lookahead: int
 
-    def top(self, history: torch.Tensor, target: int, k: int, nextgate: torch.Tensor | None = None,
-            nextgate_scores: torch.Tensor | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
+            gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 class HostPredictor(Protocol):
