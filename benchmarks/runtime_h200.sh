@@ -12,7 +12,8 @@
 #   python benchmarks/runtime_rounds.py FILES pools the rounds of one or more such files.
 # PREDICTOR_COST=1: Qwen with a predictor artifact of the paper's widths and random weights (a trained predictor's
 #   device cost, at chance accuracy on random routing) beside none and oracle:1, B=1 and 8
-#   -> runtime_qwen3-30b-a3b_predictor_cost_h200.json.
+#   -> runtime_qwen3-30b-a3b_predictor_cost${SUFFIX}_h200.json; PREDICTOR_FAMILY (default paper) its family
+#   (hybrid and residual read the next-gate: the model's routers on the run's own hidden states).
 # `per-module` is the engine's imitation of a per-module offload hook (named `accelerate` in the committed results,
 # made before Accelerate's own hooks became the `accelerate` policies); `accelerate-pinned` is Accelerate's own
 # offload from pinned memory (its pageable form, `--policy accelerate`, moves every expert each call at ~6 GB/s:
@@ -46,17 +47,17 @@ if [ -n "${B1_REPEATS:-}" ]; then
 fi
 if [ -n "${PREDICTOR_COST:-}" ]; then
     predictor=$SHAPES/random-weights-predictor
-    python3 - "$predictor" "$QWEN_LAYERS" <<'PY'
+    python3 - "$predictor" "$QWEN_LAYERS" "${PREDICTOR_FAMILY:-paper}" <<'PY'
 import sys
 from duoserve.bench.shapes import random_predictor
 from duoserve.predictor.artifact import save_predictor
-save_predictor(random_predictor(int(sys.argv[2]), 128, 8), sys.argv[1],
+save_predictor(random_predictor(int(sys.argv[2]), 128, 8, family=sys.argv[3]), sys.argv[1],
                {"note": "random weights: a trained predictor's cost in the runtime, not its accuracy"}, [])
 PY
     bench --model "$SHAPES/qwen3-30b-a3b" --config-only --layers "$QWEN_LAYERS" --routing random --prompt-len 512 \
         --new-tokens "$NEW_TOKENS" --repeats "${REPEATS:-2}" --policy duoserve --policy all-resident --batch-size 1 \
         --batch-size 8 --predictor "$predictor" --predictor none --predictor oracle:1 \
-        --out "$OUT/runtime_qwen3-30b-a3b_predictor_cost_h200.json"
+        --out "$OUT/runtime_qwen3-30b-a3b_predictor_cost${SUFFIX:-}_h200.json"
     exit
 fi
 for model in $MODELS; do
