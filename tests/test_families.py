@@ -263,6 +263,27 @@ def test_the_prefetch_computes_a_hybrid_predictors_next_gate_from_each_layers_ow
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
+def test_the_graphs_of_every_target_layer_cost_little_memory_beside_the_first():
+    """A graph per target layer: they share one capture stream (cuBLAS keeps a workspace of MBs per stream) and one
+    memory pool, so the graphs of all L - 1 targets hold little more than the first one does."""
+    from duoserve.predictor import TrainedPredictor
+
+    L, E, k, B = 12, 16, 4, 2
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3), widths=(64, 32)).eval()
+    history = torch.rand(B, L, E, generator=torch.Generator().manual_seed(0)).argsort(-1)[..., :k].cuda()
+    deployed = TrainedPredictor(model, "cuda")
+    deployed.top(history, 1, k)
+    torch.cuda.synchronize()
+    first = torch.cuda.memory_allocated()
+    for t in range(2, L):
+        deployed.top(history, t, k)
+    torch.cuda.synchronize()
+    assert len(deployed._graphs) == L - 1
+    assert torch.cuda.memory_allocated() - first < (L - 2) * 2**17  # under 128 KB a graph
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the predictor's CUDA graph needs a CUDA device")
 def test_a_predictor_whose_compilation_fails_is_captured_from_its_plain_call(monkeypatch):
     from duoserve.predictor import TrainedPredictor
 

@@ -115,7 +115,8 @@ class GraphedPredictor:
     ``device`` to share between graphs (then ``sparse`` and ``dtype`` are the module's own); ``compiled``: a compiled
     form of ``graph_call(module, output, budget)`` shared between graphs (compiled once; ``compiled_ok`` says whether
     it ran, else the plain call was captured); ``pool``: a graph memory pool to share (graphs replayed one after
-    another on one stream may: each keeps its own outputs).
+    another on one stream may: each keeps its own outputs); ``stream``: the side stream to warm up and capture on,
+    to share (cuBLAS keeps a workspace of tens of MB per stream it runs on: one stream, one workspace).
 
     ``gate``: the target layer's next-gate (``Gate``), run inside the graph on a static copy of the B x H hidden
     states it reads (``hidden``: an example of their shape and dtype, or None for a gate that reads none); without
@@ -130,7 +131,7 @@ class GraphedPredictor:
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
                  compile: bool = False, output: str = "ids", module: nn.Module | None = None,
                  gate: Gate | None = None, hidden: torch.Tensor | None = None, compiled: Callable | None = None,
-                 pool: tuple | None = None):
+                 pool: tuple | None = None, stream: torch.cuda.Stream | None = None):
         s = predictor.spec
         self.budget = budget or s.top_k
         if module is None:
@@ -148,7 +149,7 @@ class GraphedPredictor:
         self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if takes and s.uses_scores else None
         self._call = compiled or (torch.compile(plain, fullgraph=True) if compile else plain)
         self.compiled_ok = self._call is not plain
-        side = torch.cuda.Stream(device)
+        side = stream or torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side), torch.no_grad():
             try:
@@ -212,7 +213,7 @@ class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
     the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
     CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included
-    (sharing the folded weights and one memory pool), so a layer's prediction costs the host one replay and the
+    (sharing the folded weights, one memory pool and one capture stream), so a layer's prediction costs the host one replay and the
     copies of the routing history and the hidden states in, where eager work would launch about 30 kernels and a
     graph taking its next-gate as inputs 5 more and 2 more copies. ``compile``: the graphs are captured from
     ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is compiled once, at the first
@@ -229,6 +230,7 @@ class TrainedPredictor:
         self._graphs: dict[tuple, GraphedPredictor] = {}  # (B, output, k, target, depth, gate) -> captured call
         self._compiled: dict[tuple, Callable | None] = {}  # (output, k) -> the compiled call its graphs share
         self._pool: tuple | None = None  # the graphs' memory pool
+        self._stream: torch.cuda.Stream | None = None  # the one they are captured on
 
     @property
     def nextgate(self) -> int:
@@ -291,11 +293,12 @@ class TrainedPredictor:
         """The graph of one call, for ``target`` at ``depth``, its compiled form shared with the graphs of the same
         output (the first one compiles it; dropped where compiling failed)."""
         budget = k or self.predictor.spec.top_k
+        self._stream = self._stream or torch.cuda.Stream(device)
         if self.compile and (output, budget) not in self._compiled:
             self._compiled[output, budget] = torch.compile(graph_call(self.model, output, budget), fullgraph=True)
         graphed = GraphedPredictor(self.predictor, B, budget, device=device, output=output, module=self.model,
                                    gate=gate, hidden=hidden, compiled=self._compiled.get((output, budget)),
-                                   pool=self._pool)
+                                   pool=self._pool, stream=self._stream)
         if self.compile and not graphed.compiled_ok:
             self._compiled[output, budget] = None
         graphed.where.copy_(torch.tensor([[target] * B, [depth] * B]))  # fixed: read at each replay
