@@ -8,8 +8,9 @@
 Geometry L=48, E=128, k=8, hidden size 2048 (Qwen3-30B-A3B's) with the paper's widths and random weights
 and statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with the sparse
 (embedding-bag) first layer, and on CUDA: CUDA graphs of the folded one (fp32, bf16, fp32 through torch.compile)
-and of the sparse one, and the call the runtime makes (``runtime``: the deployed ``TrainedPredictor``'s
-compiled graph of the scores and their top k, ``top``, for one target layer and depth). Hybrid and residual
+and of the sparse one (plain and compiled), and the call the runtime makes (``runtime``: the deployed
+``TrainedPredictor``'s compiled graph of the scores and their top k, ``top``, for one target layer and depth;
+``runtime_sparse`` the same with the sparse first layer). Hybrid and residual
 predictors read the next-gate's 2k ids and scores: every variant computes them from a random bf16 router of the
 target layer on the hidden states (eagerly in the eager ones, inside the graph in the graphed ones), as the
 runtime does. With ``--lookahead A`` the predictor has A heads and is called at depth A (the affinity chain's
@@ -129,7 +130,8 @@ def main() -> None:
         for name, dtype, sparse_graph, compiled in (("cuda_graph", torch.float32, False, False),
                                                     ("cuda_graph_sparse", torch.float32, True, False),
                                                     ("cuda_graph_bf16", torch.bfloat16, False, False),
-                                                    ("cuda_graph_compiled", torch.float32, False, True)):
+                                                    ("cuda_graph_compiled", torch.float32, False, True),
+                                                    ("cuda_graph_sparse_compiled", torch.float32, True, True)):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
@@ -150,6 +152,8 @@ def main() -> None:
         variants["runtime"]()
         torch.cuda.synchronize(device)
         memory["runtime"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20}
+        sparse_deployed = TrainedPredictor(model, device, sparse=True, compile=True)  # the embedding-bag first layer
+        variants["runtime_sparse"] = lambda: sparse_deployed.top(history, L // 2, k, hidden, gate, depth=A)
         for t in range(A, L):  # every target layer's graph, as a decode step captures them
             deployed.top(history, t, k, hidden, gate, depth=A)
         torch.cuda.synchronize(device)
