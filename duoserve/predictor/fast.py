@@ -212,13 +212,14 @@ CPU_ROWS = 1024
 class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
     the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
-    CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included
-    (sharing the folded weights, one memory pool and one capture stream), so a layer's prediction costs the host one replay and the
-    copies of the routing history and the hidden states in, where eager work would launch about 30 kernels and a
-    graph taking its next-gate as inputs 5 more and 2 more copies. ``compile``: the graphs are captured from
-    ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is compiled once, at the first
-    call, which takes seconds). A graph's target layer and depth are fixed at capture (no copy of them a call);
-    a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size, a few KB each.
+    CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included,
+    sharing the folded weights, one memory pool and one capture stream. A layer's prediction then costs the host
+    the copies of the routing history and the hidden states and one replay, where eager work would launch about
+    30 kernels (and a graph taking ready-made next-gate features, the next-gate's 5 and 2 more copies). ``compile``:
+    the graphs are captured from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is
+    compiled once, at the first call, which takes seconds). A graph's target layer and depth are fixed at capture
+    (no copy of them a call); a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size,
+    a few KB each (measured: docs/benchmarks.md).
     """
 
     on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
@@ -280,7 +281,7 @@ class TrainedPredictor:
         B, device = len(history), history.device
         if device.type != "cuda":
             features = (*gate(hidden), None)[:2] if gate is not None else (None, None)
-            layer, ahead = torch.full((B,), target), torch.full((B,), depth)  # B, B
+            layer, ahead = torch.full((B,), target, device=device), torch.full((B,), depth, device=device)  # B, B
             scores = self.model(history, layer, *features, ahead).sigmoid()  # B x E
             return scores if output == "scores" else top_k(scores, k)
         key = (B, output, k, target, depth, gate)
