@@ -83,3 +83,11 @@ def test_graphed_predictor_matches_eager():
         assert torch.equal(graphed(history, target).sort(1).values, expected.sort(1).values)
         assert torch.equal(sparse(history, target).sort(1).values, expected.sort(1).values)
         assert torch.equal(compiled(history, target).sort(1).values, expected.sort(1).values)
+
+
+def test_a_graph_of_a_next_gate_family_is_refused_without_the_targets_next_gate():
+    """Its features come from the gate inside the graph: without one there is nothing to feed it (refused before any
+    CUDA work, so on the CPU too)."""
+    model = random_predictor(L, E, K, widths=(64, 32), family="hybrid")
+    with pytest.raises(ValueError, match="reads next-gate features"):
+        GraphedPredictor(model, batch_size=2, device="cpu")

@@ -86,11 +86,11 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 def graph_call(model: nn.Module, output: str, budget: int) -> Callable:
     """What a graph captures: ``(history, target, nextgate, nextgate_scores, depth)`` to the ``output`` (see
     ``GraphedPredictor``) of ``model``."""
-    def ids(*inputs: torch.Tensor | None) -> torch.Tensor:
-        return model.predict(*inputs[:4], budget, inputs[4])  # B x budget
+    def scores(history, target, nextgate, nextgate_scores, depth) -> torch.Tensor:
+        return model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
 
-    def scores(*inputs: torch.Tensor | None) -> torch.Tensor:
-        return model(*inputs).sigmoid()  # B x E
+    def ids(history, target, nextgate, nextgate_scores, depth) -> torch.Tensor:
+        return model.predict(history, target, nextgate, nextgate_scores, budget, depth)  # B x budget
 
     def top(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k(scores(*inputs), budget)
@@ -119,12 +119,12 @@ class GraphedPredictor:
     to share (cuBLAS keeps a workspace of tens of MB per stream it runs on: one stream, one workspace).
 
     ``gate``: the target layer's next-gate (``Gate``), run inside the graph on a static copy of the B x H hidden
-    states it reads (``hidden``: an example of their shape and dtype, or None for a gate that reads none); without
-    it, a predictor that reads next-gate features takes them as inputs, copied into static buffers.
+    states it reads (``hidden``: an example of their shape and dtype, or None for a gate that reads none); a
+    predictor that reads next-gate features needs one.
 
-    ``__call__(history, target[, nextgate, nextgate_scores, depth, hidden])`` copies the inputs into static buffers,
-    replays the graph on the current stream, and returns the static output (valid until its next replay); ``replay``
-    does the same with the target layers and depths given as one 2 x B tensor, or left as set (``where``).
+    ``__call__(history, target[, depth, hidden])`` copies the inputs into static buffers, replays the graph on the
+    current stream, and returns the static output (valid until its next replay); ``replay`` does the same for the
+    target layers and depths already in ``where`` (2 x B), as ``TrainedPredictor`` sets them once at capture.
     """
 
     def __init__(self, predictor: ExpertPredictor, batch_size: int = 1, budget: int | None = None,
@@ -133,20 +133,19 @@ class GraphedPredictor:
                  gate: Gate | None = None, hidden: torch.Tensor | None = None, compiled: Callable | None = None,
                  pool: tuple | None = None, stream: torch.cuda.Stream | None = None):
         s = predictor.spec
+        if s.uses_nextgate and gate is None:
+            raise ValueError(f"a {s.family} predictor reads next-gate features: give its graph the target layer's "
+                             "next-gate (gate)")
         self.budget = budget or s.top_k
         if module is None:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
         self.model, self.gate = module, gate
         plain = graph_call(module, output, self.budget)
         self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
-        # 2 x B: each example's target layer and depth, in one buffer so that ``replay`` fills both in one copy
-        self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)
+        self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)  # 2 x B: target layers, depths
         self.target, self.depth = self.where  # B, B: views the graph reads
         self.hidden = None if gate is None or hidden is None else \
             torch.zeros(batch_size, hidden.shape[-1], dtype=hidden.dtype, device=device)  # B x H
-        takes = s.uses_nextgate and gate is None
-        self.nextgate = torch.zeros(batch_size, s.width, dtype=torch.long, device=device) if takes else None
-        self.nextgate_scores = torch.zeros(batch_size, s.width, device=device) if takes and s.uses_scores else None
         self._call = compiled or (torch.compile(plain, fullgraph=True) if compile else plain)
         self.compiled_ok = self._call is not plain
         side = stream or torch.cuda.Stream(device)
@@ -163,7 +162,6 @@ class GraphedPredictor:
                 self._warm_up()
         torch.cuda.current_stream(device).wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        # one side stream: one cuBLAS workspace
         with torch.cuda.graph(self.graph, pool=pool, stream=side), torch.no_grad():
             self.out = self._run()
 
@@ -172,34 +170,25 @@ class GraphedPredictor:
             self._run()
 
     def _run(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.gate is None:
-            features = (self.nextgate, self.nextgate_scores)
-        else:  # B x m ids (and scores) of the target layer's router
-            features = (*self.gate(self.hidden), None)[:2]
+        # B x m ids (and scores) of the target layer's router, or none
+        features = (None, None) if self.gate is None else (*self.gate(self.hidden), None)[:2]
         return self._call(self.history, self.target, *features, self.depth)
 
-    def __call__(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
-                 nextgate_scores: torch.Tensor | None = None, depth: torch.Tensor | None = None,
+    def __call__(self, history: torch.Tensor, target: torch.Tensor, depth: torch.Tensor | None = None,
                  hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         self.target.copy_(target, non_blocking=True)
         if depth is None:
             self.depth.fill_(1)
         else:
             self.depth.copy_(depth, non_blocking=True)
-        return self.replay(history, None, hidden, nextgate, nextgate_scores)
+        return self.replay(history, hidden)
 
-    def replay(self, history: torch.Tensor, where: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-               nextgate: torch.Tensor | None = None,
-               nextgate_scores: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """The call for ``where`` (2 x B: target layers, then depths; None: those already set) on ``hidden`` (the
-        gate's input) or the given next-gate features."""
+    def replay(self, history: torch.Tensor,
+               hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The call for the targets and depths in ``where``, on ``history`` and ``hidden`` (the gate's input)."""
         self.history.copy_(history, non_blocking=True)
-        if where is not None:
-            self.where.copy_(where, non_blocking=True)
-        for static, given in ((self.hidden, hidden), (self.nextgate, nextgate),
-                              (self.nextgate_scores, nextgate_scores)):
-            if static is not None:
-                static.copy_(given, non_blocking=True)
+        if self.hidden is not None:
+            self.hidden.copy_(hidden, non_blocking=True)
         self.graph.replay()
         return self.out
 
@@ -215,7 +204,7 @@ class TrainedPredictor:
     CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included,
     sharing the folded weights, one memory pool and one capture stream. A layer's prediction then costs the host
     the copies of the routing history and the hidden states and one replay, where eager work would launch about
-    30 kernels (and a graph taking ready-made next-gate features, the next-gate's 5 and 2 more copies). ``compile``:
+    30 kernels (and a next-gate run outside the graph 5 more, its features 2 more copies in). ``compile``:
     the graphs are captured from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is
     compiled once, at the first call, which takes seconds). A graph's target layer and depth are fixed at capture
     (no copy of them a call); a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size,
@@ -287,7 +276,7 @@ class TrainedPredictor:
         key = (B, output, k, target, depth, gate)
         if key not in self._graphs:
             self._graphs[key] = self._capture(B, output, k, target, depth, gate, hidden, device)
-        return self._graphs[key].replay(history, hidden=hidden)
+        return self._graphs[key].replay(history, hidden)
 
     def _capture(self, B: int, output: str, k: int | None, target: int, depth: int, gate: Gate | None,
                  hidden: torch.Tensor | None, device: torch.device) -> GraphedPredictor:

@@ -81,7 +81,7 @@ class DecodePrefetch:
                 # the head of depth t - l; next-gate features: layer t's router on this layer's MoE input
                 gate = self.next_gate[t] if self.next_gate else None
                 top_vals, top_ids = self.predictor.top(self.history, t, self.k, hidden, gate, depth=t - l)  # B x k each
-                # read before the next target's call replays over them (a CUDA graph's outputs are static)
+                # to the host, where ``rank`` reads them (a CUDA graph's outputs are overwritten at its next replay)
                 ids[d].copy_(top_ids, non_blocking=True)
                 vals[d].copy_(top_vals, non_blocking=True)
             done = self.streams.record(stream)  # on the CPU: none, or a simulator's clock
