@@ -8,9 +8,11 @@
 Geometry L=48, E=128, k=8, hidden size 2048 (Qwen3-30B-A3B's) with the paper's widths and random weights
 and statistics (latency does not depend on training). Variants: eager, BatchNorm folded, folded with the sparse
 (embedding-bag) first layer, and on CUDA: CUDA graphs of the folded one (fp32, bf16, fp32 through torch.compile)
-and of the sparse one (plain and compiled), and the call the runtime makes (``runtime``: the deployed
-``TrainedPredictor``'s compiled graph of the scores and their top k, ``top``, for one target layer and depth;
-``runtime_sparse`` the same with the sparse first layer). Hybrid and residual
+and of the sparse one (plain, compiled, and compiled with Inductor's ``max-autotune-no-cudagraphs``, which
+the runtime does not use: its compilation takes tens of seconds), and the call the runtime makes (``runtime``:
+the deployed ``TrainedPredictor``'s compiled graph of the scores and their top k, ``top``, for one target layer
+and depth, with the sparse first layer and the routing history in its own buffer, as the engine calls it;
+``runtime_dense`` the same with the dense first layer). Hybrid and residual
 predictors read the next-gate's 2k ids and scores: every variant computes them from a random bf16 router of the
 target layer on the hidden states (eagerly in the eager ones, inside the graph in the graphed ones), as the
 runtime does. With ``--lookahead A`` the predictor has A heads and is called at depth A (the affinity chain's
@@ -37,6 +39,7 @@ from duoserve.predictor.fast import (
     SparseHistoryPredictor,
     TrainedPredictor,
     fold_batchnorm,
+    graph_call,
 )
 from duoserve.predictor.model import FAMILIES, PAPER_WIDTHS
 
@@ -125,18 +128,24 @@ def main() -> None:
     folded, sparse = fold_batchnorm(model), SparseHistoryPredictor(model)
     variants = {"eager": lambda: eager(model), "bn_folded": lambda: eager(folded),
                 "bn_folded_sparse": lambda: eager(sparse)}
-    memory, agreement, gpu_time = {"eager_model": eager_mb}, {}, {}
+    memory, agreement, gpu_time, capture_s = {"eager_model": eager_mb}, {}, {}, {}
     if device.type == "cuda":
-        for name, dtype, sparse_graph, compiled in (("cuda_graph", torch.float32, False, False),
-                                                    ("cuda_graph_sparse", torch.float32, True, False),
-                                                    ("cuda_graph_bf16", torch.bfloat16, False, False),
-                                                    ("cuda_graph_compiled", torch.float32, False, True),
-                                                    ("cuda_graph_sparse_compiled", torch.float32, True, True)):
+        autotune = "max-autotune-no-cudagraphs"
+        for name, dtype, sparse_graph, mode in (("cuda_graph", torch.float32, False, None),
+                                                ("cuda_graph_sparse", torch.float32, True, None),
+                                                ("cuda_graph_bf16", torch.bfloat16, False, None),
+                                                ("cuda_graph_compiled", torch.float32, False, "default"),
+                                                ("cuda_graph_sparse_compiled", torch.float32, True, "default"),
+                                                ("cuda_graph_sparse_max_autotune", torch.float32, True, autotune)):
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            graphed = GraphedPredictor(model, batch_size=1, device=device, dtype=dtype, sparse=sparse_graph,
-                                       compile=compiled, gate=gate, hidden=hidden)
+            module = (SparseHistoryPredictor(model) if sparse_graph else fold_batchnorm(model)).to(device, dtype)
+            compiled = torch.compile(graph_call(module, "ids", k), fullgraph=True, mode=mode) if mode else None
+            start = time.perf_counter()
+            graphed = GraphedPredictor(model, batch_size=1, device=device, module=module, compiled=compiled,
+                                       gate=gate, hidden=hidden)
+            capture_s[name] = {"seconds": time.perf_counter() - start, "compiled": graphed.compiled_ok}
             graphed(history, target, depth=depth, hidden=hidden)
             torch.cuda.synchronize(device)
             memory[name] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
@@ -148,17 +157,22 @@ def main() -> None:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         deployed = TrainedPredictor(model, device, compile=True)
-        variants["runtime"] = lambda: deployed.top(history, L // 2, k, hidden, gate, depth=A)
+        own = deployed.history(1, device).copy_(history)  # the buffer its graphs read, as the engine fills it
+        variants["runtime"] = lambda: deployed.top(own, L // 2, k, hidden, gate, depth=A)
+        start = time.perf_counter()
         variants["runtime"]()
+        capture_s["runtime"] = {"seconds": time.perf_counter() - start,
+                                "compiled": all(g.compiled_ok for g in deployed._graphs.values())}
         torch.cuda.synchronize(device)
         memory["runtime"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20}
         for t in range(A, L):  # every target layer's graph, as a decode step captures them
-            deployed.top(history, t, k, hidden, gate, depth=A)
+            deployed.top(own, t, k, hidden, gate, depth=A)
         torch.cuda.synchronize(device)
         memory["runtime_all_targets"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
                                          "graphs": len(deployed._graphs)}
-        sparse_deployed = TrainedPredictor(model, device, sparse=True, compile=True)  # the embedding-bag first layer
-        variants["runtime_sparse"] = lambda: sparse_deployed.top(history, L // 2, k, hidden, gate, depth=A)
+        dense = TrainedPredictor(model, device, sparse=False, compile=True)
+        own_dense = dense.history(1, device).copy_(history)
+        variants["runtime_dense"] = lambda: dense.top(own_dense, L // 2, k, hidden, gate, depth=A)
     results = {}
     for name, fn in variants.items():
         for _ in range(20):
@@ -175,7 +189,7 @@ def main() -> None:
     }
     if device.type == "cuda":
         report.update(gpu_memory_mb=memory, topk_set_agreement_with_eager_fp32=agreement,
-                      gpu_ms_per_replay_back_to_back=gpu_time)
+                      gpu_ms_per_replay_back_to_back=gpu_time, seconds_to_compile_and_capture=capture_s)
     for name, t in results.items():
         print(f"{name:10s} {t * 1e3:8.3f} ms/call  ({results['eager'] / t:.2f}x vs eager)")
     for name in agreement:

@@ -99,20 +99,62 @@ def _linear_logits(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torc
     return nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
+def top_k(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``n`` best of ``scores`` along their last dimension and their ids, best first. Eagerly a topk; under
+    ``torch.compile`` a sort, which Inductor fuses with the work around it into one kernel (a topk stays a library
+    call of two: at batch 1 on a GPU, launches are the cost)."""
+    if torch.compiler.is_compiling():
+        ranked = scores.sort(dim=-1, descending=True)
+        return ranked.values[..., :n], ranked.indices[..., :n]
+    best = scores.topk(n, dim=-1)
+    return best.values, best.indices
+
+
 def _widen(logits: torch.Tensor, top: torch.Tensor, width: int) -> tuple[torch.Tensor, torch.Tensor]:
     """T x m ids (the router's top-k ``top`` first, then the most probable of the rest) and their softmax
     probabilities over all E experts (float32)."""
     probs = logits.float().softmax(-1)  # T x E
     k = top.shape[-1]
     if width > k:
-        rest = probs.scatter(-1, top.long(), -1.0).topk(width - k, dim=-1).indices  # T x (m - k): not yet chosen
+        rest = top_k(probs.scatter(-1, top.long(), -1.0), width - k)[1]  # T x (m - k): not yet chosen
         top = torch.cat([top.long(), rest], dim=-1)
     return top, probs.gather(-1, top.long())
 
 
+class LinearGate(nn.Module):
+    """The next-gate of a router whose top-k is its linear logits' top-k: T x H hidden states to T x m ids, best
+    first (the router's top-k lead), and with ``scores`` their softmax probabilities (T x m). Its weights are the
+    router's own tensors, not copies. A module: ``torch.compile`` takes its tensors as inputs of the call it is
+    passed to, so one compiled call serves every layer's gate."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, width: int, scores: bool):
+        super().__init__()
+        self.register_buffer("weight", weight.detach(), persistent=False)  # E x H
+        self.register_buffer("bias", None if bias is None else bias.detach(), persistent=False)  # E
+        self.width, self.scores = width, scores
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        logits = _linear_logits(self.weight, self.bias, hidden)  # T x E
+        ids = top_k(logits, self.width)[1]  # T x m
+        return (ids, logits.float().softmax(-1).gather(-1, ids)) if self.scores else (ids,)
+
+
+class RouterGate(nn.Module):
+    """The next-gate through the router's own forward (routers that do more than a linear top-k): the same
+    outputs as ``LinearGate``, their probabilities the softmax of the router's logits."""
+
+    def __init__(self, router: nn.Module, k: int, width: int, scores: bool):
+        super().__init__()
+        self.router, self.k, self.width, self.scores = router, k, width, scores
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ids, probs = _widen(*_router_logits_and_top_k(self.router, hidden, self.k), self.width)  # T x m each
+        return (ids, probs) if self.scores else (ids,)
+
+
 @torch.no_grad()
 def next_gate_fn(router: nn.Module, k: int, width: int | None = None, scores: bool = True
-                 ) -> Callable[[torch.Tensor], tuple[torch.Tensor, ...]]:
+                 ) -> LinearGate | RouterGate:
     """The cheapest exact way to get ``router``'s guess for T x H hidden states: T x m ids (``width`` m, default
     k; its own top-k first) and, with ``scores``, their softmax probabilities (T x m); ``(ids,)`` without.
 
@@ -134,15 +176,5 @@ def next_gate_fn(router: nn.Module, k: int, width: int | None = None, scores: bo
         except (RuntimeError, ValueError):
             same = False
         if same:
-            def linear_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-                logits = _linear_logits(weight, bias, hidden)  # T x E
-                ids = logits.topk(m, dim=-1).indices  # T x m, best first: the router's top-k lead
-                return (ids, logits.float().softmax(-1).gather(-1, ids)) if scores else (ids,)
-
-            return linear_guess
-
-    def own_guess(hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ids, probs = _widen(*_router_logits_and_top_k(router, hidden, k), m)
-        return (ids, probs) if scores else (ids,)
-
-    return own_guess
+            return LinearGate(weight, bias, m, scores)
+    return RouterGate(router, k, m, scores)

@@ -52,6 +52,17 @@ def test_sparse_first_layer_computes_the_same_function():
     assert not any(isinstance(m, torch.nn.Linear) and m.in_features == model.spec.input_dim for m in sparse.modules())
 
 
+def test_the_compiled_sparse_first_layer_computes_the_same_function():
+    """Compiled, the history's rows are gathered and summed (Inductor fuses them) instead of bagged."""
+    model = _trained_like()
+    sparse = SparseHistoryPredictor(model)
+    history = torch.rand(16, L, E).argsort(-1)[..., :K]
+    target = torch.tensor([1, 2, 3, 5] * 4)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.compile(sparse, fullgraph=True)(history, target), model(history, target),
+                                   rtol=1e-4, atol=1e-4)
+
+
 def test_a_long_batch_is_scored_in_cpu_calls_that_equal_one_call():
     predictor = TrainedPredictor(random_predictor(L, E, K, widths=(64, 32), family="hybrid", lookahead=2), sparse=True)
     n = 2 * CPU_ROWS + 37  # two full calls and a short one
@@ -91,3 +102,28 @@ def test_a_graph_of_a_next_gate_family_is_refused_without_the_targets_next_gate(
     model = random_predictor(L, E, K, widths=(64, 32), family="hybrid")
     with pytest.raises(ValueError, match="reads next-gate features"):
         GraphedPredictor(model, batch_size=2, device="cpu")
+
+
+def test_one_compiled_call_serves_every_target_layers_next_gate():
+    """The runtime's graphs share one compiled call; each target's gate (its router's weights) is an input of it, so
+    a new target's gate compiles nothing new, and the compiled call (its selections sorted, not topk'd) answers as
+    the eager one does."""
+    from duoserve.discovery import next_gate_fn
+    from duoserve.predictor.fast import graph_call
+
+    H, m = 24, 2 * K
+    model = fold_batchnorm(random_predictor(L, E, K, widths=(64, 32), family="hybrid"))
+    g = torch.Generator().manual_seed(0)
+    history = torch.rand(3, L, E, generator=g).argsort(-1)[..., :K]  # 3 x L x k
+    target, depth = torch.full((3,), 4), torch.ones(3, dtype=torch.long)
+    eager = graph_call(model, "top", K)
+    compiled = torch.compile(eager, fullgraph=True)
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        for seed in range(3):
+            router = torch.nn.Linear(H, E, bias=False)
+            torch.nn.init.normal_(router.weight, generator=torch.Generator().manual_seed(seed))
+            gate, hidden = next_gate_fn(router, K, m), torch.randn(3, H, generator=g)
+            values, ids = compiled(history, target, depth, hidden, gate)
+            expected = eager(history, target, depth, hidden, gate)
+            torch.testing.assert_close(values, expected[0], rtol=1e-4, atol=1e-5)
+            assert torch.equal(ids, expected[1])

@@ -17,10 +17,11 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from duoserve.discovery import top_k
 from duoserve.predictor.model import ExpertPredictor
 
 # the next-gate of a target layer, B x H hidden states to its router's B x m ids (and their B x m scores):
-# ``duoserve.discovery.next_gate_fn``
+# ``duoserve.discovery.next_gate_fn`` (a module, so one compiled call serves every target's)
 Gate = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
@@ -69,7 +70,10 @@ class SparseHistoryPredictor(nn.Module):
         ids, valid = self.inner.window(history, target.long() - depth)  # B x W x k, B x W
         rows = torch.arange(s.window, device=ids.device)[None, :, None] * s.num_experts + ids  # B x W x k
         rows = torch.where(valid[..., None], rows, s.window * s.num_experts)  # missing layers: the zero row
-        h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x F
+        if torch.compiler.is_compiling():  # Inductor fuses the gather and the sum into one read of the W*k rows
+            h = self.history_rows[rows.flatten(1)].sum(1)  # B x F
+        else:  # eager: a gather would first write B x W*k x F
+            h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x F
         dense = self.inner.dense_features(ids, target, depth, nextgate, nextgate_scores)
         out = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x A*E
         return self.inner.head(out, depth, nextgate, nextgate_scores)
@@ -77,20 +81,19 @@ class SparseHistoryPredictor(nn.Module):
     predict = ExpertPredictor.predict  # the same top ids, from this forward
 
 
-def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``k`` best of B x E ``scores`` and their expert ids (B x k each): what the runtime's prefetch reads."""
-    top = scores.topk(k, dim=1)
-    return top.values, top.indices
+def nextgate_features(gate: Gate | None, hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The next-gate's B x m ids and scores (None where it gives none) from ``gate`` on ``hidden``."""
+    return (None, None) if gate is None else (*gate(hidden), None)[:2]
 
 
 def graph_call(model: nn.Module, output: str, budget: int) -> Callable:
-    """What a graph captures: ``(history, target, nextgate, nextgate_scores, depth)`` to the ``output`` (see
-    ``GraphedPredictor``) of ``model``."""
-    def scores(history, target, nextgate, nextgate_scores, depth) -> torch.Tensor:
-        return model(history, target, nextgate, nextgate_scores, depth).sigmoid()  # B x E
+    """What a graph captures: ``(history, target, depth, hidden, gate)`` to the ``output`` (see ``GraphedPredictor``)
+    of ``model``, the next-gate features computed by ``gate`` (or None) on ``hidden`` inside the call."""
+    def scores(history, target, depth, hidden, gate) -> torch.Tensor:
+        return model(history, target, *nextgate_features(gate, hidden), depth).sigmoid()  # B x E
 
-    def ids(history, target, nextgate, nextgate_scores, depth) -> torch.Tensor:
-        return model.predict(history, target, nextgate, nextgate_scores, budget, depth)  # B x budget
+    def ids(history, target, depth, hidden, gate) -> torch.Tensor:
+        return model.predict(history, target, *nextgate_features(gate, hidden), budget, depth)  # B x budget
 
     def top(*inputs: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         return top_k(scores(*inputs), budget)
@@ -104,8 +107,9 @@ def graph_call(model: nn.Module, output: str, budget: int) -> Callable:
 class GraphedPredictor:
     """One predictor call at a fixed batch size, captured as a CUDA graph and replayed.
 
-    ``sparse`` uses the embedding-bag first layer (fewer bytes; on a GPU the dense GEMV may be as
-    fast: docs/benchmarks.md); ``dtype`` applies to the weights and statistics; ``compile`` runs
+    ``sparse`` reads the history's part of the first layer as the rows of the active (layer, expert) pairs (an
+    embedding bag; compiled, a gather and sum that Inductor fuses into one kernel: the faster form on a GPU when
+    compiled, the dense GEMV when not: docs/benchmarks.md); ``dtype`` applies to the weights and statistics; ``compile`` runs
     the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
     the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 
@@ -120,7 +124,9 @@ class GraphedPredictor:
 
     ``gate``: the target layer's next-gate (``Gate``), run inside the graph on a static copy of the B x H hidden
     states it reads (``hidden``: an example of their shape and dtype, or None for a gate that reads none); a
-    predictor that reads next-gate features needs one.
+    predictor that reads next-gate features needs one. ``history``: the caller's own B x L x k routing history
+    (long), for the graph to read in place: a replay given that tensor copies nothing (the runtime keeps one per
+    batch size); by default the graph keeps a buffer of its own that each call copies into.
 
     ``__call__(history, target[, depth, hidden])`` copies the inputs into static buffers, replays the graph on the
     current stream, and returns the static output (valid until its next replay); ``replay`` does the same for the
@@ -131,7 +137,8 @@ class GraphedPredictor:
                  device: str | torch.device = "cuda", dtype: torch.dtype = torch.float32, sparse: bool = False,
                  compile: bool = False, output: str = "ids", module: nn.Module | None = None,
                  gate: Gate | None = None, hidden: torch.Tensor | None = None, compiled: Callable | None = None,
-                 pool: tuple | None = None, stream: torch.cuda.Stream | None = None):
+                 pool: tuple | None = None, stream: torch.cuda.Stream | None = None,
+                 history: torch.Tensor | None = None):
         s = predictor.spec
         if s.uses_nextgate and gate is None:
             raise ValueError(f"a {s.family} predictor reads next-gate features: give its graph the target layer's "
@@ -141,7 +148,8 @@ class GraphedPredictor:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
         self.model, self.gate = module, gate
         plain = graph_call(module, output, self.budget)
-        self.history = torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)
+        self.history = history if history is not None and history.dtype == torch.long else \
+            torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)  # B x L x k
         self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)  # 2 x B: target layers, depths
         self.target, self.depth = self.where  # B, B: views the graph reads
         self.hidden = None if gate is None or hidden is None else \
@@ -170,9 +178,7 @@ class GraphedPredictor:
             self._run()
 
     def _run(self) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        # B x m ids (and scores) of the target layer's router, or none
-        features = (None, None) if self.gate is None else (*self.gate(self.hidden), None)[:2]
-        return self._call(self.history, self.target, *features, self.depth)
+        return self._call(self.history, self.target, self.depth, self.hidden, self.gate)
 
     def __call__(self, history: torch.Tensor, target: torch.Tensor, depth: torch.Tensor | None = None,
                  hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -186,7 +192,8 @@ class GraphedPredictor:
     def replay(self, history: torch.Tensor,
                hidden: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The call for the targets and depths in ``where``, on ``history`` and ``hidden`` (the gate's input)."""
-        self.history.copy_(history, non_blocking=True)
+        if history is not self.history:  # else the graph reads it in place
+            self.history.copy_(history, non_blocking=True)
         if self.hidden is not None:
             self.hidden.copy_(hidden, non_blocking=True)
         self.graph.replay()
@@ -199,12 +206,13 @@ CPU_ROWS = 1024
 
 
 class TrainedPredictor:
-    """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the embedding-bag first layer,
-    the CPU's faster form), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
+    """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the sparse first layer; by default
+    where it is the faster form, on the CPU and compiled on CUDA), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
     CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included,
     sharing the folded weights, one memory pool and one capture stream. A layer's prediction then costs the host
-    the copies of the routing history and the hidden states and one replay, where eager work would launch about
-    30 kernels (and a next-gate run outside the graph 5 more, its features 2 more copies in). ``compile``:
+    the copy of the hidden states and one replay (and a copy of the routing history, unless it is the buffer of
+    ``history``, which the graphs read in place), where eager work would launch about 30 kernels (and a next-gate
+    run outside the graph 5 more, its features 2 more copies in). ``compile``:
     the graphs are captured from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is
     compiled once, at the first call, which takes seconds). A graph's target layer and depth are fixed at capture
     (no copy of them a call); a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size,
@@ -213,14 +221,26 @@ class TrainedPredictor:
 
     on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
 
-    def __init__(self, predictor: ExpertPredictor, device: str | torch.device = "cpu", sparse: bool = False,
+    def __init__(self, predictor: ExpertPredictor, device: str | torch.device = "cpu", sparse: bool | None = None,
                  compile: bool = False):
         self.predictor, self.compile = predictor, compile
+        if sparse is None:
+            sparse = compile or torch.device(device).type == "cpu"
         self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
         self._graphs: dict[tuple, GraphedPredictor] = {}  # (B, output, k, target, depth, gate) -> captured call
         self._compiled: dict[tuple, Callable | None] = {}  # (output, k) -> the compiled call its graphs share
         self._pool: tuple | None = None  # the graphs' memory pool
         self._stream: torch.cuda.Stream | None = None  # the one they are captured on
+        self._history: dict[int, torch.Tensor] = {}  # B -> the B x L x k history its graphs read
+
+    def history(self, batch: int, device: str | torch.device) -> torch.Tensor:
+        """A zeroed B x L x k routing-history buffer (long) on ``device`` to fill and pass to ``top``: on CUDA the
+        one its graphs of that batch size read in place, so a call copies no history."""
+        s, device = self.predictor.spec, torch.device(device)
+        buffer = torch.zeros(batch, s.num_layers, s.top_k, dtype=torch.long, device=device)
+        if device.type != "cuda":
+            return buffer
+        return self._history.setdefault(batch, buffer).zero_()
 
     @property
     def nextgate(self) -> int:
@@ -269,9 +289,8 @@ class TrainedPredictor:
               depth: int, k: int | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         B, device = len(history), history.device
         if device.type != "cuda":
-            features = (*gate(hidden), None)[:2] if gate is not None else (None, None)
             layer, ahead = torch.full((B,), target, device=device), torch.full((B,), depth, device=device)  # B, B
-            scores = self.model(history, layer, *features, ahead).sigmoid()  # B x E
+            scores = self.model(history, layer, *nextgate_features(gate, hidden), ahead).sigmoid()  # B x E
             return scores if output == "scores" else top_k(scores, k)
         key = (B, output, k, target, depth, gate)
         if key not in self._graphs:
@@ -280,15 +299,17 @@ class TrainedPredictor:
 
     def _capture(self, B: int, output: str, k: int | None, target: int, depth: int, gate: Gate | None,
                  hidden: torch.Tensor | None, device: torch.device) -> GraphedPredictor:
-        """The graph of one call, for ``target`` at ``depth``, its compiled form shared with the graphs of the same
-        output (the first one compiles it; dropped where compiling failed)."""
+        """The graph of one call, for ``target`` at ``depth``, reading the batch size's ``history`` buffer, its
+        compiled form shared with the graphs of the same output (the first one compiles it; dropped where compiling
+        failed)."""
         budget = k or self.predictor.spec.top_k
         self._stream = self._stream or torch.cuda.Stream(device)
         if self.compile and (output, budget) not in self._compiled:
             self._compiled[output, budget] = torch.compile(graph_call(self.model, output, budget), fullgraph=True)
         graphed = GraphedPredictor(self.predictor, B, budget, device=device, output=output, module=self.model,
                                    gate=gate, hidden=hidden, compiled=self._compiled.get((output, budget)),
-                                   pool=self._pool, stream=self._stream)
+                                   pool=self._pool, stream=self._stream,
+                                   history=self._history[B] if B in self._history else self.history(B, device))
         if self.compile and not graphed.compiled_ok:
             self._compiled[output, budget] = None
         graphed.where.copy_(torch.tensor([[target] * B, [depth] * B]))  # fixed: read at each replay
