@@ -109,9 +109,9 @@ class GraphedPredictor:
 
     ``sparse`` reads the history's part of the first layer as the rows of the active (layer, expert) pairs (an
     embedding bag; compiled, a gather and sum that Inductor fuses into one kernel: the faster form on a GPU when
-    compiled, the dense GEMV when not: docs/benchmarks.md); ``dtype`` applies to the weights and statistics; ``compile`` runs
-    the call through ``torch.compile`` before capture, so Inductor fuses the feature building and
-    the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
+    compiled, the dense GEMV when not: docs/benchmarks.md); ``dtype`` applies to the weights and statistics;
+    ``compile`` runs the call through ``torch.compile`` before capture, so Inductor fuses the feature building,
+    the next-gate and the small layers into fewer kernels (the replay is launch-bound: fewer kernels, less time).
 
     ``output``: what the graph returns: ``ids`` (the top ``budget`` ids, B x budget), ``scores`` (B x E sigmoid
     scores) or ``top`` (the top ``budget`` scores and their ids, B x budget each: what the runtime's prefetch reads,
@@ -207,16 +207,17 @@ CPU_ROWS = 1024
 
 class TrainedPredictor:
     """An exported predictor as it is deployed: BatchNorm folded (``sparse``: with the sparse first layer; by default
-    where it is the faster form, on the CPU and compiled on CUDA), on ``device``. Evaluation scores it with ``logits``; the runtime with ``top``, where on
-    CUDA each (batch size, target layer, depth, gate) gets a CUDA graph of the whole call, the next-gate included,
-    sharing the folded weights, one memory pool and one capture stream. A layer's prediction then costs the host
-    the copy of the hidden states and one replay (and a copy of the routing history, unless it is the buffer of
-    ``history``, which the graphs read in place), where eager work would launch about 30 kernels (and a next-gate
-    run outside the graph 5 more, its features 2 more copies in). ``compile``:
-    the graphs are captured from ``torch.compile``'s form of the call (fewer, fused kernels: a shorter replay; it is
-    compiled once, at the first call, which takes seconds). A graph's target layer and depth are fixed at capture
-    (no copy of them a call); a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size,
-    a few KB each (measured: docs/benchmarks.md).
+    where it is the faster form, on the CPU and compiled on CUDA), on ``device``. Evaluation scores it with
+    ``logits``; the runtime with ``top``, where on CUDA each (batch size, target layer, depth, gate) gets a CUDA
+    graph of the whole call, the next-gate and the selection included, sharing the folded weights, one memory pool
+    and one capture stream. A layer's prediction then costs the host the copy of the hidden states and one replay
+    (and a copy of the routing history, unless it is the buffer of ``history``, which the graphs read in place),
+    where eager work would launch about 30 kernels (and a next-gate run outside the graph 5 more, its features 2
+    more copies in). ``compile``: the graphs are captured from ``torch.compile``'s form of the call (fewer, fused
+    kernels: a shorter replay; it is compiled once, at the first call, which takes seconds: every target's gate is
+    an input of that one compiled call). A graph's target layer and depth are fixed at capture (no copy of them a
+    call); a model of L layers and look-ahead A has at most (L - 1) x A of them per batch size, a few KB each
+    (measured: docs/benchmarks.md).
     """
 
     on_host = False  # a ``duoserve.runtime.sources.LayerPredictor``: it scores on the device
@@ -237,10 +238,12 @@ class TrainedPredictor:
         """A zeroed B x L x k routing-history buffer (long) on ``device`` to fill and pass to ``top``: on CUDA the
         one its graphs of that batch size read in place, so a call copies no history."""
         s, device = self.predictor.spec, torch.device(device)
-        buffer = torch.zeros(batch, s.num_layers, s.top_k, dtype=torch.long, device=device)
-        if device.type != "cuda":
-            return buffer
-        return self._history.setdefault(batch, buffer).zero_()
+        if device.type == "cuda" and batch in self._history:
+            return self._history[batch].zero_()
+        buffer = torch.zeros(batch, s.num_layers, s.top_k, dtype=torch.long, device=device)  # B x L x k
+        if device.type == "cuda":
+            self._history[batch] = buffer
+        return buffer
 
     @property
     def nextgate(self) -> int:
