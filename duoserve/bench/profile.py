@@ -620,7 +620,8 @@ def _predictor_ms(L: int, E: int, k: int, s: ProfileSettings, device: torch.devi
     predictor = TrainedPredictor(random_predictor(L, E, k), device, compile=True)  # as the engine deploys it
     rows = []
     for B in s.batch_sizes:
-        history = torch.randint(E, (B, L, k), device=device)  # B x L x k
+        history = predictor.history(B, device)  # B x L x k: the buffer its graphs read, as the engine's prefetch
+        history.random_(E)
 
         def call() -> None:
             predictor.top(history, L - 1, k, depth=1)
