@@ -183,3 +183,36 @@ def test_a_real_models_routing_imports_and_trains_history_only_heads(tmp_path):
     result = fit(FitSettings(traces=traces, out=tmp_path / "p", lookahead=2, val_fraction=0.2, **SMALL))
     m = result.metrics
     assert m["predictor (d=2)"]["recall"] > m["popularity (d=2)"]["recall"], m  # history carries two layers ahead
+
+
+def test_a_layer_predictor_without_a_history_buffer_is_fed_the_prefetchs_own():
+    """``LayerPredictor.history`` is optional: for a predictor without it the prefetch keeps a zeroed B x L x k
+    history of its own, fills it layer by layer and passes it to ``top``."""
+    from duoserve.predictor import TrainedPredictor
+    from duoserve.runtime.prefetch import DecodePrefetch
+    from duoserve.runtime.streams import EngineTimers, Streams
+
+    class NoBuffer:  # the protocol's required part only
+        on_host, nextgate, nextgate_scores, lookahead = False, 0, False, 1
+
+        def __init__(self, inner: TrainedPredictor):
+            self.inner = inner
+
+        def top(self, *args, **kwargs):
+            return self.inner.top(*args, **kwargs)
+
+    L, E, k, B = 6, 16, 4, 3
+    model = ExpertPredictor(FeatureSpec(L, E, k, 3), widths=(64, 32)).eval()
+    with torch.no_grad():
+        model.mlp[-1].weight.normal_()
+    streams = Streams(torch.device("cpu"))
+    plan = DecodePrefetch(NoBuffer(TrainedPredictor(model)), None, [], streams, EngineTimers(streams), (L, E, k), 1,
+                          0.0, None)
+    plan.begin_step(B)
+    assert plan.history.shape == (B, L, k) and not plan.history.any()
+    idx = torch.rand(B, E, generator=torch.Generator().manual_seed(1)).argsort(-1)[:, :k]  # B x k: layer 0's routing
+    ids, vals, _ = plan.launch(0, torch.empty(B, 0), idx, streams.record(), [1])
+    assert torch.equal(plan.history[:, 0], idx)
+    with torch.no_grad():
+        expected = model(plan.history, torch.full((B,), 1)).sigmoid().topk(k)
+    assert [set(r) for r in np.array(ids[0]).tolist()] == [set(r) for r in expected.indices.tolist()]

@@ -45,8 +45,9 @@ class DecodePrefetch:
         if self.on_host:
             self.predictor.begin_step()
         if self.history is None or len(self.history) != batch:  # a host predictor reads none: it sizes the step
-            self.history = torch.zeros(batch, self.L, self.k, dtype=torch.long, device=self.streams.device) \
-                if self.on_host else self.predictor.history(batch, self.streams.device)  # B x L x k
+            own = None if self.on_host else getattr(self.predictor, "history", None)  # the buffer it reads in place
+            self.history = own(batch, self.streams.device) if own else \
+                torch.zeros(batch, self.L, self.k, dtype=torch.long, device=self.streams.device)  # B x L x k
 
     def targets(self, l: int) -> list[int]:
         """Layers to predict at layer ``l``: l + d, and at a step's first layer every layer up to d."""

@@ -32,8 +32,9 @@ class LayerPredictor(Protocol):
     next-gate's B x m ids for ``target``: ``gate``, the target's next-gate, applied to ``hidden``, the B x H MoE input
     of layer target - depth; ``nextgate`` says how many ids, 0 for none, and ``nextgate_scores`` whether their
     scores too). ``top`` gives each sequence's ``k`` best scores in [0, 1] and their expert ids (B x k each, on the
-    device; they may be overwritten by a later call). ``history`` gives the zeroed B x L x k history buffer to keep
-    the routing in and pass to ``top`` (the predictor's own, where it reads one in place)."""
+    device; they may be overwritten by a later call). Optionally, ``history(batch, device)`` gives the zeroed
+    B x L x k buffer the engine keeps the routing in and passes to ``top``: one the predictor reads in place
+    (``TrainedPredictor``'s CUDA graphs do); without it the engine keeps a buffer of its own."""
 
     on_host = False
     nextgate: int
@@ -42,8 +43,6 @@ class LayerPredictor(Protocol):
 
     def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
             gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-    def history(self, batch: int, device: str | torch.device) -> torch.Tensor: ...
 
 
 class HostPredictor(Protocol):
