@@ -32,9 +32,8 @@ import torch
 
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.shapes import random_predictor
-from duoserve.discovery import next_gate_fn
+from duoserve.discovery import Gate, next_gate_fn
 from duoserve.predictor.fast import (
-    Gate,
     GraphedPredictor,
     SparseHistoryPredictor,
     TrainedPredictor,
@@ -156,9 +155,13 @@ def main() -> None:
         # what the engine deploys: the compiled graph of the scores and their top k, the next-gate inside it
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
+
+        def deployed_call(predictor: TrainedPredictor, t: int = L // 2):
+            own = predictor.history(1, device).copy_(history)  # the buffer its graphs read, as the engine fills it
+            return lambda: predictor.top(own, t, k, hidden, gate, depth=A)
+
         deployed = TrainedPredictor(model, device, compile=True)
-        own = deployed.history(1, device).copy_(history)  # the buffer its graphs read, as the engine fills it
-        variants["runtime"] = lambda: deployed.top(own, L // 2, k, hidden, gate, depth=A)
+        variants["runtime"] = deployed_call(deployed)
         start = time.perf_counter()
         variants["runtime"]()
         capture_s["runtime"] = {"seconds": time.perf_counter() - start,
@@ -166,13 +169,11 @@ def main() -> None:
         torch.cuda.synchronize(device)
         memory["runtime"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20}
         for t in range(A, L):  # every target layer's graph, as a decode step captures them
-            deployed.top(own, t, k, hidden, gate, depth=A)
+            deployed_call(deployed, t)()
         torch.cuda.synchronize(device)
         memory["runtime_all_targets"] = {"held": (torch.cuda.memory_allocated(device) - before) / 2**20,
                                          "graphs": len(deployed._graphs)}
-        dense = TrainedPredictor(model, device, sparse=False, compile=True)
-        own_dense = dense.history(1, device).copy_(history)
-        variants["runtime_dense"] = lambda: dense.top(own_dense, L // 2, k, hidden, gate, depth=A)
+        variants["runtime_dense"] = deployed_call(TrainedPredictor(model, device, sparse=False, compile=True))
     results = {}
     for name, fn in variants.items():
         for _ in range(20):

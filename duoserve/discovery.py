@@ -99,6 +99,11 @@ def _linear_logits(weight: torch.Tensor, bias: torch.Tensor | None, hidden: torc
     return nn.functional.linear(hidden.to(weight.dtype), weight, bias)
 
 
+# the next-gate of a target layer, B x H hidden states to its router's B x m ids (and their B x m scores): what
+# ``next_gate_fn`` makes (a module, so one compiled call of the runtime's predictor serves every target's)
+Gate = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
+
+
 def top_k(scores: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The ``n`` best of ``scores`` along their last dimension and their ids, best first. Eagerly a topk; under
     ``torch.compile`` a sort, which Inductor fuses with the work around it into one kernel (a topk stays a library

@@ -21,6 +21,7 @@ from duoserve.bench.drivers import OraclePredictor, RandomRouting, ReplayRouting
 from duoserve.cli.run import app as run_app
 from duoserve.discovery import find_moe_layers, moe_geometry
 from duoserve.loading import load_model
+from duoserve.predictor.fast import nextgate_features
 from duoserve.predictor.model import ExpertPredictor, FeatureSpec
 from duoserve.runtime import (
     POLICIES,
@@ -248,7 +249,7 @@ def _next_gate_run(embedded, predictor, lookahead: int = 1) -> dict:
             def spy(history, target, count, hidden=None, gate=None, depth=1):
                 asked.append((target, depth))
                 assert hidden is inputs[target - depth]  # the predictor gets layer t - d's MoE input itself
-                nextgate, nextgate_scores = (*gate(hidden), None)[:2]  # what the predictor's call computes
+                nextgate, nextgate_scores = nextgate_features(gate, hidden)  # what the predictor's call computes
                 logits, _, routed = layers[target].router(inputs[target - depth])  # T x k: the router's own choice
                 probs = logits.float().softmax(-1).gather(1, nextgate)
                 scored = nextgate_scores is not None and torch.allclose(nextgate_scores, probs)

@@ -53,10 +53,10 @@ from duoserve.bench.clocks import SimCompute, SimStore, SimStreams, SimTimers
 from duoserve.bench.costs import Costs
 from duoserve.bench.drivers import OraclePredictor, RandomRouting, open_routing_trace, oracle_recall
 from duoserve.bench.shapes import model_source
-from duoserve.discovery import find_moe_layers, moe_geometry, top_k
+from duoserve.discovery import Gate, find_moe_layers, moe_geometry, top_k
 from duoserve.loading import model_from_config
 from duoserve.predictor.artifact import load_predictor
-from duoserve.predictor.fast import Gate, TrainedPredictor
+from duoserve.predictor.fast import TrainedPredictor
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.scheduler import ROUTING_SECTION, ExpertScheduler
 from duoserve.runtime.settings import EngineSettings

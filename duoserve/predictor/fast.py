@@ -17,12 +17,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from duoserve.discovery import top_k
+from duoserve.discovery import Gate, top_k
 from duoserve.predictor.model import ExpertPredictor
-
-# the next-gate of a target layer, B x H hidden states to its router's B x m ids (and their B x m scores):
-# ``duoserve.discovery.next_gate_fn`` (a module, so one compiled call serves every target's)
-Gate = Callable[[torch.Tensor], tuple[torch.Tensor, ...]]
 
 
 def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
@@ -148,7 +144,7 @@ class GraphedPredictor:
             module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
         self.model, self.gate = module, gate
         plain = graph_call(module, output, self.budget)
-        self.history = history if history is not None and history.dtype == torch.long else \
+        self.history = history if history is not None else \
             torch.zeros(batch_size, s.num_layers, s.top_k, dtype=torch.long, device=device)  # B x L x k
         self.where = torch.ones(2, batch_size, dtype=torch.long, device=device)  # 2 x B: target layers, depths
         self.target, self.depth = self.where  # B, B: views the graph reads
@@ -237,13 +233,18 @@ class TrainedPredictor:
     def history(self, batch: int, device: str | torch.device) -> torch.Tensor:
         """A zeroed B x L x k routing-history buffer (long) on ``device`` to fill and pass to ``top``: on CUDA the
         one its graphs of that batch size read in place, so a call copies no history."""
-        s, device = self.predictor.spec, torch.device(device)
-        if device.type == "cuda" and batch in self._history:
-            return self._history[batch].zero_()
-        buffer = torch.zeros(batch, s.num_layers, s.top_k, dtype=torch.long, device=device)  # B x L x k
-        if device.type == "cuda":
-            self._history[batch] = buffer
-        return buffer
+        device = torch.device(device)
+        return self._buffer(batch, device).zero_() if device.type == "cuda" else self._zeros(batch, device)
+
+    def _zeros(self, batch: int, device: torch.device) -> torch.Tensor:
+        s = self.predictor.spec
+        return torch.zeros(batch, s.num_layers, s.top_k, dtype=torch.long, device=device)  # B x L x k
+
+    def _buffer(self, batch: int, device: torch.device) -> torch.Tensor:
+        """The B x L x k history the graphs of batch size B read, made at its first use."""
+        if batch not in self._history:
+            self._history[batch] = self._zeros(batch, device)
+        return self._history[batch]
 
     @property
     def nextgate(self) -> int:
@@ -312,7 +313,7 @@ class TrainedPredictor:
         graphed = GraphedPredictor(self.predictor, B, budget, device=device, output=output, module=self.model,
                                    gate=gate, hidden=hidden, compiled=self._compiled.get((output, budget)),
                                    pool=self._pool, stream=self._stream,
-                                   history=self._history[B] if B in self._history else self.history(B, device))
+                                   history=self._buffer(B, device))
         if self.compile and not graphed.compiled_ok:
             self._compiled[output, budget] = None
         graphed.where.copy_(torch.tensor([[target] * B, [depth] * B]))  # fixed: read at each replay

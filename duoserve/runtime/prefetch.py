@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from duoserve.predictor.fast import Gate
+from duoserve.discovery import Gate
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.sources import HostPredictor, LayerPredictor
 from duoserve.runtime.store import HostExperts

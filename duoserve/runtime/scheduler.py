@@ -34,7 +34,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from duoserve.predictor.fast import Gate
+from duoserve.discovery import Gate
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing
 from duoserve.runtime.policies import Policy

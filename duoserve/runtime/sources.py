@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from duoserve.predictor.fast import Gate
+from duoserve.discovery import Gate
 
 
 class RoutingSource(Protocol):
