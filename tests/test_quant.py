@@ -16,7 +16,8 @@ from duoserve.features.stats import RoutingStats
 from duoserve.loading import load_model
 from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, timed_generate
 from duoserve.runtime.cache import ExpertCache, popular_keys
-from duoserve.runtime.quant import BLOCK, QuantizedExperts, QuantLayout, dequantize, make_store, quantize
+from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequantize, dequantizer, make_store,
+                                    quantize)
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 
@@ -70,6 +71,37 @@ def test_int4_round_trip_is_within_half_a_step_and_packs_two_weights_a_byte():
     dequantize(stored, q, ExpertLayout.of({"w": w}), out)
     moved = (out.view(4, 128, 256) - back).abs() > 0
     assert moved.sum() == 1 and moved[0, 0, 0]
+
+
+def _mixed_store(fmt: str) -> QuantizedExperts:
+    """bf16 experts with whole 128-blocks, dims that are not, wide-ranging magnitudes and a bias (stored raw)."""
+    g = torch.Generator().manual_seed(2)
+    params = {"gate_up_proj": (torch.randn(4, 256, 384, generator=g) * torch.logspace(-4, 1, 384)).bfloat16(),
+              "down_proj": torch.randn(4, 96, 64, generator=g).bfloat16(), "bias": torch.randn(4, 256).bfloat16()}
+    return QuantizedExperts.quantize(params, fmt, pin=False)
+
+
+def _compiled_equals_eager(store: QuantizedExperts, compiled, device: torch.device) -> None:
+    for n in (4, 3, 1):  # the first pass size compiles, the next one dynamic, one expert apart
+        eager = torch.zeros(n, store.layout.numel, dtype=store.layout.dtype)
+        dequantize(store.packed[:n], store.qlayout, store.layout, eager)
+        out = torch.full((n, store.layout.numel), float("nan"), dtype=store.layout.dtype, device=device)
+        compiled(store.packed[:n].to(device), store.qlayout, store.layout, out)
+        assert torch.equal(out.cpu(), eager), (store.qlayout.fmt, n)  # bit for bit: one rounding, the same one
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_the_compiled_dequantization_writes_the_eager_ones_rows_bit_for_bit(fmt):
+    assert dequantizer(torch.device("cpu")) is dequantize  # the CPU path stays eager: no compiler needed there
+    # the GPU's compiled function, compiled for the CPU here (Inductor's C++ backend)
+    _compiled_equals_eager(_mixed_store(fmt), torch.compile(dequantize), torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled dequantization runs on a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_the_gpus_compiled_dequantization_writes_the_cpus_eager_rows_bit_for_bit(fmt):
+    _compiled_equals_eager(_mixed_store(fmt), dequantizer(torch.device("cuda")), torch.device("cuda"))
 
 
 def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_reference_does():

@@ -89,7 +89,7 @@ from duoserve.runtime.experts import SlotView, slot_experts
 from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
-from duoserve.runtime.quant import QuantizedExperts, dequantize, make_store
+from duoserve.runtime.quant import QuantizedExperts, dequantizer, make_store
 from duoserve.runtime.schedule import FETCH_SECTION
 from duoserve.runtime.scheduler import ROUTING_SECTION
 from duoserve.runtime.settings import EngineSettings
@@ -212,8 +212,10 @@ def _dequant_ms(quantized: QuantizedExperts, device: torch.device, repeats: int)
     rows = torch.empty(n, layout.numel, dtype=layout.dtype, device=device)  # n x P: the pass's output
     slots = torch.empty_like(rows)  # n x P: where the cache keeps them
 
+    fn = dequantizer(device)
+
     def one_pass() -> None:
-        dequantize(stored, quantized.qlayout, layout, rows if n > 1 else slots)
+        fn(stored, quantized.qlayout, layout, rows if n > 1 else slots)
         if n > 1:
             slots.copy_(rows)
 

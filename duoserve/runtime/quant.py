@@ -20,16 +20,21 @@ dequantize-then-grouped-GEMM path), and ``ExpertCache.seal`` marks the slots rea
 staging buffers alternate, so the next copy overlaps this dequantization: the copy engine never idles behind it.
 Only the dequantization waits for the slots' last readers (``ExpertCache.fetch``): with a cache of a layer's worth
 of slots (Mixtral's two), the next layer's copies to staging run during this layer's compute.
-Dequantizing is a cast and a multiply per matrix (fp8) or a 256-entry look-up and a multiply (int4). A decode step
+Dequantizing makes each weight its code (an fp8 value, or an int4 nibble less 8) times its block or group scale, in
+float32, rounded once to the cache's dtype. On a GPU it is compiled (``dequantizer``): one memory-bound kernel
+writes a pass's rows, where eager ops take several passes over temporaries (the dequantization runs between an
+expert's copy and its compute, so its device time adds to both a prefill's and a decode step's). A decode step
 is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
 ``STAGE_BYTES`` of cache rows) into a scratch of cache rows, each pass one CUDA-graph replay on a GPU, then copied
-into their slots; an expert larger than that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is the one implementation, used by the
-engine and by the reference model the tests compare against, so both round the same way.
+into their slots; an expert larger than that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is
+the one implementation, used by the engine and by the reference model the tests compare against, so both round
+the same way.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -124,22 +129,11 @@ def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     return codes.view(n, -1), scale
 
 
-_LUTS: dict[tuple, torch.Tensor] = {}
-
-
-def _int4_lut(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """256 x 2: the two signed values (low nibble, high nibble) of each byte, in ``dtype``."""
-    key = (dtype, device)
-    if key not in _LUTS:
-        byte = torch.arange(256)
-        _LUTS[key] = torch.stack([byte & 15, byte >> 4], dim=1).sub(8).to(dtype=dtype, device=device)
-    return _LUTS[key]
-
-
 def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout, out: torch.Tensor) -> None:
     """Write n stored rows (n x Q uint8) into n packed rows ``out`` (n x P, the cache's dtype), on the current
-    stream of their device. fp8 reads the rows in place (strided views, no temporaries): a cast and a multiply per
-    matrix."""
+    stream of their device. Each weight is its code times its scale, computed in float32 and rounded once to the
+    cache's dtype. Eager, this reads the rows in place (strided views) with float32 temporaries; ``fused`` is the
+    same function compiled, one memory-bound pass per parameter."""
     n = len(stored)
     views = layout.views(out)
     for seg in qlayout.segments:
@@ -153,14 +147,23 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
         R, C = seg.shape
         if seg.kind == "fp8":
             br, bc = _block(R), _block(C)
-            blocks = dst.view(n, R // br, br, C // bc, bc)
-            # exact: every e4m3 value is a bf16 value
-            blocks.copy_(codes.view(_FP8).unflatten(1, (R // br, br, C // bc, bc)))  # n x R/br x br x C/bc x bc
-            blocks.mul_(scale.unflatten(1, (R // br, 1, C // bc, 1)))
+            values = codes.view(_FP8).unflatten(1, (R // br, br, C // bc, bc)).float()  # n x R/br x br x C/bc x bc
+            dst.view(n, R // br, br, C // bc, bc).copy_(values * scale.unflatten(1, (R // br, 1, C // bc, 1)))
         else:
             g = _block(C)
-            values = _int4_lut(dst.dtype, dst.device).index_select(0, codes.reshape(-1).int())  # (n*R*C/2) x 2
-            torch.mul(values.view(n, R, C // g, g), scale.unflatten(1, (R, C // g, 1)), out=dst.view(n, R, C // g, g))
+            pairs = codes.unflatten(1, (R, C // 2))  # n x R x C/2: two weights a byte, the low nibble first
+            values = torch.stack([pairs & 15, pairs >> 4], dim=-1).float() - 8  # n x R x C/2 x 2
+            dst.view(n, R, C // g, g).copy_(values.view(n, R, C // g, g) * scale.unflatten(1, (R, C // g, 1)))
+
+
+_fused = torch.compile(dequantize)  # compiled at its first call, per layout and format (and pass size, once dynamic)
+
+
+def dequantizer(device: torch.device) -> Callable[[torch.Tensor, QuantLayout, ExpertLayout, torch.Tensor], None]:
+    """``dequantize`` as it runs on ``device``: on a GPU compiled (torch.compile: Inductor fuses each parameter's
+    read, unpacking, scaling and rounding into one kernel writing the cache's rows, where the eager ops take several
+    passes over float32 temporaries), elsewhere eager. Both round the same way: tests hold them equal."""
+    return _fused if device.type == "cuda" else dequantize
 
 
 def stage_chunk(layout: ExpertLayout) -> int:
@@ -231,7 +234,7 @@ class QuantizedExperts(HostExperts):
             streams.wait(work, streams.record(stream))
             with streams.on(work):
                 if self.chunk < 2:  # an expert over STAGE_BYTES: straight into its slot
-                    dequantize(stage.stored[b].table[:1], self.qlayout, self.layout, rows.span(targets[0])[None])
+                    stage.fn(stage.stored[b].table[:1], self.qlayout, self.layout, rows.span(targets[0])[None])
                 else:
                     stage.dequantize(b, n)
                     for j, s, count in runs(range(n), targets):  # the runtime's copy: less host time than ``copy_``
@@ -241,7 +244,9 @@ class QuantizedExperts(HostExperts):
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
         rows = torch.empty(len(self.packed), self.layout.numel, dtype=self.layout.dtype, device=device)  # E x P
-        dequantize(self.packed.to(device), self.qlayout, self.layout, rows)
+        fn = dequantizer(rows.device)
+        for e in range(len(rows)):  # an expert at a time: eager temporaries stay one expert's
+            fn(self.packed[e:e + 1].to(device), self.qlayout, self.layout, rows[e:e + 1])
         return {n: v.contiguous() for n, v in self.layout.views(rows).items()}
 
 
@@ -259,6 +264,7 @@ class _Staging:
                                       device=device)) for _ in range(2)]
         self.read: list = [None, None]
         self._next = 0
+        self.fn = dequantizer(device)
         # one memory pool (int4's look-up temporaries): the graphs replay one after another on the dequant stream
         self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -274,11 +280,11 @@ class _Staging:
             graph.replay()
             return
         src, dst = self.stored[b].table[:n], self.rows[b].table[:n]
-        dequantize(src, self.qlayout, self.layout, dst)  # this pass's work, and the kernels' warm-up
+        self.fn(src, self.qlayout, self.layout, dst)  # this pass's work, and the kernels' warm-up (and compile)
         if self._pool is not None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):  # synchronises the device: once per (buffer, n)
-                dequantize(src, self.qlayout, self.layout, dst)
+                self.fn(src, self.qlayout, self.layout, dst)
             self._graphs[b, n] = graph
 
 

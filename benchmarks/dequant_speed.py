@@ -1,0 +1,74 @@
+"""Device time of the engine's dequantization of quantized experts, eager against compiled, and the floor it has.
+
+A quantized fetch's dequantization runs between an expert's copy and its compute, on its own stream: its device
+time adds to every layer of a prefill and of a decode step whose copies it trails. For each named shape's expert
+(random bf16 weights) and each stored format, this times one pass of the engine's staging chunk
+(``quant.stage_chunk`` experts: 16 of Qwen3-30B-A3B's, one of Mixtral-8x7B's, dequantized straight into its slot)
+replayed from a CUDA graph, per expert: the eager ``quant.dequantize`` and its compiled form
+(``quant.dequantizer``, what the engine runs on a GPU); and the floor, the pass's bytes (stored rows read,
+cache rows written) at the device's own copy bandwidth (a device-to-device copy of the cache rows, timed alike).
+
+    python benchmarks/dequant_speed.py --device cuda --out benchmarks/results/dequant_speed_h200.json
+"""
+
+from __future__ import annotations
+
+import torch
+
+from duoserve.bench.profile import device_ms
+from duoserve.bench.results import parser, write_result
+from duoserve.bench.shapes import shape_config
+from duoserve.runtime.quant import QuantizedExperts, dequantize, dequantizer, stage_chunk
+from duoserve.runtime.store import ExpertLayout
+
+
+def expert_params(name: str, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+    """``n`` experts of the named shape (gate and up fused, as transformers' experts modules hold them), bf16."""
+    config = shape_config(name)
+    H = config.hidden_size
+    inner = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    torch.manual_seed(0)
+    return {"gate_up_proj": torch.randn(n, 2 * inner, H, device=device, dtype=torch.bfloat16) * 0.02,
+            "down_proj": torch.randn(n, H, inner, device=device, dtype=torch.bfloat16) * 0.02}
+
+
+def measure(name: str, device: torch.device, repeats: int) -> list[dict]:
+    """One row per stored format for the named shape's expert (module docstring)."""
+    layout = ExpertLayout.of(expert_params(name, 1, torch.device("meta")))
+    n = max(stage_chunk(layout), 1)
+    params = expert_params(name, n, device)
+    out = torch.empty(n, layout.numel, dtype=layout.dtype, device=device)  # n x P: the pass's cache rows
+    other = torch.empty_like(out)
+    copy_ms = device_ms(lambda: other.copy_(out), device, repeats)  # reads and writes n x P
+    gbps = 2 * out.numel() * out.element_size() / copy_ms / 1e6
+    rows = []
+    for fmt in ("fp8", "int4"):
+        store = QuantizedExperts.quantize(params, fmt, pin=False)
+        stored = store.packed.to(device)  # n x Q
+        times = {label: device_ms(lambda fn=fn: fn(stored, store.qlayout, layout, out), device, repeats) / n
+                 for label, fn in (("eager", dequantize), ("compiled", dequantizer(device)))}
+        floor_ms = (stored.numel() + out.numel() * out.element_size()) / gbps / 1e6 / n
+        rows.append({"shape": name, "format": fmt, "experts_per_pass": n, "expert_mb": layout.nbytes / 1e6,
+                     "stored_mb": store.row_bytes / 1e6, "eager_ms": times["eager"], "compiled_ms": times["compiled"],
+                     "floor_ms": floor_ms, "copy_gbps": gbps, "speedup": times["eager"] / times["compiled"]})
+        print(f"{name:>14} {fmt:>4}, {n:>2} experts a pass: eager {times['eager'] * 1e3:8.1f} us, compiled "
+              f"{times['compiled'] * 1e3:7.1f} us an expert ({rows[-1]['speedup']:.1f}x), floor "
+              f"{floor_ms * 1e3:6.1f} us at {gbps:.0f} GB/s")
+    return rows
+
+
+def main() -> None:
+    ap = parser(__doc__, geometry=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--shape", action="append", default=None, help="qwen3-30b-a3b and mixtral-8x7b by default")
+    ap.add_argument("--repeats", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    shapes = args.shape or ["qwen3-30b-a3b", "mixtral-8x7b"]
+    rows = [row for name in shapes for row in measure(name, device, args.repeats)]
+    write_result(args.out, {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                            "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
