@@ -2,11 +2,11 @@
 
 A quantized fetch's dequantization runs between an expert's copy and its compute, on its own stream: its device
 time adds to every layer of a prefill and of a decode step whose copies it trails. For each named shape's expert
-(random bf16 weights) and each stored format, this times one pass of the engine's staging chunk
-(``quant.stage_chunk`` experts: 16 of Qwen3-30B-A3B's, one of Mixtral-8x7B's, dequantized straight into its slot)
-replayed from a CUDA graph, per expert: the eager ``quant.dequantize`` and its compiled form
-(``quant.dequantizer``, what the engine runs on a GPU); and the floor, the pass's bytes (stored rows read,
-cache rows written) at the device's own copy bandwidth (a device-to-device copy of the cache rows, timed alike).
+(random bf16 weights) and each stored format, this times the engine's pass (``quant.dequantize_into``: the staging
+chunk of ``quant.stage_chunk`` experts, 10 of Qwen3-30B-A3B's and one of Mixtral-8x7B's, straight into every other
+slot of a cache) replayed from a CUDA graph, per expert: eager, and compiled (``quant.dequantizer``, what the
+engine runs on a GPU); and the floor, the pass's bytes (stored rows read, cache rows written) at the device's own
+copy bandwidth (a device-to-device copy of the cache rows, timed alike).
 
     python benchmarks/dequant_speed.py --device cuda --out benchmarks/results/dequant_speed_h200.json
 """
@@ -18,7 +18,7 @@ import torch
 from duoserve.bench.profile import device_ms
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.shapes import shape_config
-from duoserve.runtime.quant import QuantizedExperts, dequantize, dequantizer, stage_chunk
+from duoserve.runtime.quant import QuantizedExperts, dequantize_into, dequantizer, stage_chunk
 from duoserve.runtime.store import ExpertLayout
 
 
@@ -37,24 +37,25 @@ def measure(name: str, device: torch.device, repeats: int) -> list[dict]:
     layout = ExpertLayout.of(expert_params(name, 1, torch.device("meta")))
     n = max(stage_chunk(layout), 1)
     params = expert_params(name, n, device)
-    out = torch.empty(n, layout.numel, dtype=layout.dtype, device=device)  # n x P: the pass's cache rows
-    other = torch.empty_like(out)
-    copy_ms = device_ms(lambda: other.copy_(out), device, repeats)  # reads and writes n x P
-    gbps = 2 * out.numel() * out.element_size() / copy_ms / 1e6
-    rows = []
+    table = torch.empty(2 * n, layout.numel, dtype=layout.dtype, device=device)  # 2n x P: a cache's rows
+    slots = torch.arange(0, 2 * n, 2, device=device)  # n: every other slot, as a decode pass's are no stretch
+    rows, other = table[:n], table[n:]
+    copy_ms = device_ms(lambda: other.copy_(rows), device, repeats)  # reads and writes n x P
+    gbps = 2 * rows.numel() * rows.element_size() / copy_ms / 1e6
+    out = []
     for fmt in ("fp8", "int4"):
         store = QuantizedExperts.quantize(params, fmt, pin=False)
         stored = store.packed.to(device)  # n x Q
-        times = {label: device_ms(lambda fn=fn: fn(stored, store.qlayout, layout, out), device, repeats) / n
-                 for label, fn in (("eager", dequantize), ("compiled", dequantizer(device)))}
-        floor_ms = (stored.numel() + out.numel() * out.element_size()) / gbps / 1e6 / n
-        rows.append({"shape": name, "format": fmt, "experts_per_pass": n, "expert_mb": layout.nbytes / 1e6,
-                     "stored_mb": store.row_bytes / 1e6, "eager_ms": times["eager"], "compiled_ms": times["compiled"],
-                     "floor_ms": floor_ms, "copy_gbps": gbps, "speedup": times["eager"] / times["compiled"]})
+        times = {label: device_ms(lambda fn=fn: fn(stored, slots, store.qlayout, layout, table), device, repeats) / n
+                 for label, fn in (("eager", dequantize_into), ("compiled", dequantizer(device, into=True)))}
+        floor_ms = (stored.numel() + rows.numel() * rows.element_size()) / gbps / 1e6 / n
+        out.append({"shape": name, "format": fmt, "experts_per_pass": n, "expert_mb": layout.nbytes / 1e6,
+                    "stored_mb": store.row_bytes / 1e6, "eager_ms": times["eager"], "compiled_ms": times["compiled"],
+                    "floor_ms": floor_ms, "copy_gbps": gbps, "speedup": times["eager"] / times["compiled"]})
         print(f"{name:>14} {fmt:>4}, {n:>2} experts a pass: eager {times['eager'] * 1e3:8.1f} us, compiled "
-              f"{times['compiled'] * 1e3:7.1f} us an expert ({rows[-1]['speedup']:.1f}x), floor "
+              f"{times['compiled'] * 1e3:7.1f} us an expert ({out[-1]['speedup']:.1f}x), floor "
               f"{floor_ms * 1e3:6.1f} us at {gbps:.0f} GB/s")
-    return rows
+    return out
 
 
 def main() -> None:

@@ -16,8 +16,8 @@ from duoserve.features.stats import RoutingStats
 from duoserve.loading import load_model
 from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, timed_generate
 from duoserve.runtime.cache import ExpertCache, popular_keys
-from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequantize, dequantizer, make_store,
-                                    quantize)
+from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequantize, dequantize_into, dequantizer,
+                                    make_store, quantize)
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 
@@ -81,27 +81,40 @@ def _mixed_store(fmt: str) -> QuantizedExperts:
     return QuantizedExperts.quantize(params, fmt, pin=False)
 
 
-def _compiled_equals_eager(store: QuantizedExperts, compiled, device: torch.device) -> None:
+def _compiled_equals_eager(store: QuantizedExperts, compiled, compiled_into, device: torch.device) -> None:
+    """The compiled dequantization (into rows, and scattered into a cache's slots) writes what the eager one does on
+    the CPU, bit for bit (one rounding, the same one), and nothing else."""
+    q, layout = store.qlayout, store.layout
     for n in (4, 3, 1):  # the first pass size compiles, the next one dynamic, one expert apart
-        eager = torch.zeros(n, store.layout.numel, dtype=store.layout.dtype)
-        dequantize(store.packed[:n], store.qlayout, store.layout, eager)
-        out = torch.full((n, store.layout.numel), float("nan"), dtype=store.layout.dtype, device=device)
-        compiled(store.packed[:n].to(device), store.qlayout, store.layout, out)
-        assert torch.equal(out.cpu(), eager), (store.qlayout.fmt, n)  # bit for bit: one rounding, the same one
+        stored = store.packed[:n]
+        eager = torch.full((n, layout.numel), 7.0, dtype=layout.dtype)
+        dequantize(stored, q, layout, eager)
+        out = torch.full((n, layout.numel), 7.0, dtype=layout.dtype, device=device)
+        compiled(stored.to(device), q, layout, out)
+        assert torch.equal(out.cpu(), eager), (q.fmt, n)
+        slots = torch.arange(2 * n - 1, 0, -2)  # every other row of a 2n-slot cache, from the last
+        table = torch.full((2 * n, layout.numel), 7.0, dtype=layout.dtype)
+        dequantize_into(stored, slots, q, layout, table)
+        assert torch.equal(table[slots], eager) and (table[slots - 1] == 7).all()  # those rows, no others
+        on_device = torch.full_like(table, 7.0, device=device)
+        compiled_into(stored.to(device), slots.to(device), q, layout, on_device)
+        assert torch.equal(on_device.cpu(), table), (q.fmt, n)
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_the_compiled_dequantization_writes_the_eager_ones_rows_bit_for_bit(fmt):
-    assert dequantizer(torch.device("cpu")) is dequantize  # the CPU path stays eager: no compiler needed there
-    # the GPU's compiled function, compiled for the CPU here (Inductor's C++ backend)
-    _compiled_equals_eager(_mixed_store(fmt), torch.compile(dequantize), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    assert dequantizer(cpu) is dequantize and dequantizer(cpu, into=True) is dequantize_into  # no compiler needed
+    # the GPU's compiled functions, compiled for the CPU here (Inductor's C++ backend)
+    _compiled_equals_eager(_mixed_store(fmt), torch.compile(dequantize), torch.compile(dequantize_into), cpu)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled dequantization runs on a CUDA device")
 @pytest.mark.parametrize("fmt", ["fp8", "int4"])
 def test_the_gpus_compiled_dequantization_writes_the_cpus_eager_rows_bit_for_bit(fmt):
-    _compiled_equals_eager(_mixed_store(fmt), dequantizer(torch.device("cuda")), torch.device("cuda"))
+    cuda = torch.device("cuda")
+    _compiled_equals_eager(_mixed_store(fmt), dequantizer(cuda), dequantizer(cuda, into=True), cuda)
 
 
 def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_reference_does():

@@ -110,21 +110,20 @@ class SimStore:
             return
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
         if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each
-            # chunk dequantized on its own stream once it lands (its rows then copied into their slots, a copy per
-            # stretch); a buffer is refilled once its last chunk is read
+            # chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded first: one
+            # more copy); a buffer is refilled once its last chunk is read
             staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None, None]})
             step = max(self.chunk, 1)
             for i in range(0, n, step):
-                chunk, targets = experts[i:i + step], slots[i:i + step]
+                chunk = experts[i:i + step]
                 staging["next"] ^= 1
                 streams.wait(stream, staging["read"][staging["next"]])
                 for *_, count in runs(chunk, range(len(chunk))):
                     streams.host += host
                     streams.run(stream, count * copy, copy=True)
                 streams.wait(streams.dequant, streams.record(stream))
+                streams.host += host
                 streams.run(streams.dequant, len(chunk) * costs.dequant_ms[self.fmt])
-                if self.chunk > 1:
-                    streams.host += host * len(runs(range(len(targets)), targets))
                 staging["read"][staging["next"]] = streams.record(streams.dequant)
             return
         spans = runs(experts, slots)

@@ -41,9 +41,10 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 history, the call, its ids and scores copied back), timed inside real generations of a
                 ``duoserve`` engine with a random predictor: several times the bare call's
   dequant_ms    device time per expert of the engine's dequantization, by stored expert dtype: a pass of its
-                staging chunk (``quant.stage_chunk`` experts, replayed from a CUDA graph on a GPU) and the copy
-                of the rows into cache slots, divided by the chunk (profiles made before this measured one
-                expert dequantized eagerly, wall time with its launches: several times more)
+                staging chunk (``quant.stage_chunk`` experts, replayed from a CUDA graph on a GPU) straight into
+                cache slots, divided by the chunk (profiles made before the pass was compiled timed it eagerly,
+                into scratch rows then copied into the slots; before those, one expert dequantized eagerly, wall
+                time with its launches: several times more)
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
                 size and context length (the experts answering zeros through the experts interface): host time
                 (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
@@ -203,23 +204,16 @@ def device_ms(fn: Callable[[], None], device: torch.device, repeats: int) -> flo
 
 
 def _dequant_ms(quantized: QuantizedExperts, device: torch.device, repeats: int) -> float:
-    """Device milliseconds per expert of the engine's dequantization (``QuantizedExperts.copy_group``): a pass of
-    its staging chunk of experts, then their rows copied into cache slots (an expert too large for a chunk goes
-    straight into its slot; a layer of fewer experts than a chunk, all of them). Per expert of a pass, as one pass's
-    launches are shared by its experts."""
+    """Device milliseconds per expert of the engine's dequantization (``QuantizedExperts.copy_group``): a pass of its
+    staging chunk of experts (a layer of fewer experts than a chunk, all of them) straight into cache slots, every
+    other one (a decode pass's slots are no stretch). Per expert of a pass, as one pass's launches are shared by its
+    experts."""
     layout, n = quantized.layout, min(max(quantized.chunk, 1), len(quantized.packed))
     stored = quantized.packed[:n].to(device)  # n x Q
-    rows = torch.empty(n, layout.numel, dtype=layout.dtype, device=device)  # n x P: the pass's output
-    slots = torch.empty_like(rows)  # n x P: where the cache keeps them
-
-    fn = dequantizer(device)
-
-    def one_pass() -> None:
-        fn(stored, quantized.qlayout, layout, rows if n > 1 else slots)
-        if n > 1:
-            slots.copy_(rows)
-
-    return device_ms(one_pass, device, repeats) / n
+    table = torch.empty(2 * n, layout.numel, dtype=layout.dtype, device=device)  # 2n x P: cache rows
+    slots = torch.arange(0, 2 * n, 2, device=device)  # n
+    fn = dequantizer(device, into=True)
+    return device_ms(lambda: fn(stored, slots, quantized.qlayout, layout, table), device, repeats) / n
 
 
 def _expert_ms(layer, store: HostExperts, s: ProfileSettings, k: int, device: torch.device, H: int) -> list[dict]:

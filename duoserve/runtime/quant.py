@@ -25,8 +25,8 @@ float32, rounded once to the cache's dtype. On a GPU it is compiled (``dequantiz
 writes a pass's rows, where eager ops take several passes over temporaries (the dequantization runs between an
 expert's copy and its compute, so its device time adds to both a prefill's and a decode step's). A decode step
 is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
-``STAGE_BYTES`` of cache rows) into a scratch of cache rows, each pass one CUDA-graph replay on a GPU, then copied
-into their slots; an expert larger than that (Mixtral's) is dequantized straight into its slot. ``dequantize`` is
+``STAGE_BYTES`` of cache rows; an expert larger than that, Mixtral's, is a pass of its own), each straight into its
+slots (``dequantize_into``, the slot ids uploaded ahead of it) and on a GPU one CUDA-graph replay. ``dequantize`` is
 the one implementation, used by the engine and by the reference model the tests compare against, so both round
 the same way.
 """
@@ -47,6 +47,7 @@ EXPERT_DTYPES = ("model", "fp8", "int4")
 BLOCK = FP8_BLOCK  # fp8 block side (that of the FP8 checkpoints read, loading.py) and int4 group size
 STAGE_BYTES = 96 << 20  # at most this many bytes of cache rows dequantized per pass of a fetch group, and at most
 STAGE_ROWS = 16  # this many experts (device scratch per stream)
+RING = 64  # host rows of slot ids a stream's passes upload from in turn
 _ALIGN = 16  # bytes: every segment of a stored row starts 16-byte aligned (fp32 scales, vector loads)
 _FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(_FP8).max  # 448
@@ -132,8 +133,8 @@ def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout, out: torch.Tensor) -> None:
     """Write n stored rows (n x Q uint8) into n packed rows ``out`` (n x P, the cache's dtype), on the current
     stream of their device. Each weight is its code times its scale, computed in float32 and rounded once to the
-    cache's dtype. Eager, this reads the rows in place (strided views) with float32 temporaries; ``fused`` is the
-    same function compiled, one memory-bound pass per parameter."""
+    cache's dtype. Eager, this reads the rows in place (strided views) with float32 temporaries; compiled
+    (``dequantizer``), one memory-bound pass."""
     n = len(stored)
     views = layout.views(out)
     for seg in qlayout.segments:
@@ -152,22 +153,36 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
         else:
             g = _block(C)
             pairs = codes.unflatten(1, (R, C // 2))  # n x R x C/2: two weights a byte, the low nibble first
-            values = torch.stack([pairs & 15, pairs >> 4], dim=-1).float() - 8  # n x R x C/2 x 2
+            shifts = torch.arange(0, 8, 4, dtype=torch.uint8, device=codes.device)  # 2: no host-to-device copy
+            values = ((pairs[..., None] >> shifts) & 15).float() - 8  # n x R x C/2 x 2
             dst.view(n, R, C // g, g).copy_(values.view(n, R, C // g, g) * scale.unflatten(1, (R, C // g, 1)))
 
 
-_fused = torch.compile(dequantize)  # compiled at its first call, per layout and format (and pass size, once dynamic)
+def dequantize_into(stored: torch.Tensor, slots: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
+                    table: torch.Tensor) -> None:
+    """Write n stored rows (n x Q uint8) into rows ``slots`` (n, int64, on its device) of ``table`` (S x P, the
+    cache's rows): ``dequantize`` into scratch rows (padding zeroed), then scattered. Compiled, one kernel reads the
+    stored rows and writes the slots' rows, with no scratch."""
+    rows = torch.zeros(len(stored), layout.numel, dtype=layout.dtype, device=table.device)  # n x P
+    dequantize(stored, qlayout, layout, rows)
+    table.index_copy_(0, slots, rows)
 
 
-def dequantizer(device: torch.device) -> Callable[[torch.Tensor, QuantLayout, ExpertLayout, torch.Tensor], None]:
-    """``dequantize`` as it runs on ``device``: on a GPU compiled (torch.compile: Inductor fuses each parameter's
-    read, unpacking, scaling and rounding into one kernel writing the cache's rows, where the eager ops take several
-    passes over float32 temporaries), elsewhere eager. Both round the same way: tests hold them equal."""
-    return _fused if device.type == "cuda" else dequantize
+# compiled at its first call, per layout and format (and pass size, once dynamic)
+_COMPILED = {dequantize: torch.compile(dequantize), dequantize_into: torch.compile(dequantize_into)}
+
+
+def dequantizer(device: torch.device, into: bool = False) -> Callable[..., None]:
+    """``dequantize`` (``into``: ``dequantize_into``) as it runs on ``device``: on a GPU compiled (torch.compile:
+    Inductor fuses each parameter's read, unpacking, scaling and rounding, and the scatter, into one kernel writing
+    the cache's rows, where the eager ops take several passes over float32 temporaries), elsewhere eager. Both
+    round the same way: tests hold them equal."""
+    fn = dequantize_into if into else dequantize
+    return _COMPILED[fn] if device.type == "cuda" else fn
 
 
 def stage_chunk(layout: ExpertLayout) -> int:
-    """Experts of ``layout`` a quantized fetch dequantizes per pass; under 2: each straight into its slot."""
+    """Experts of ``layout`` a quantized fetch dequantizes per pass (0: one over ``STAGE_BYTES``, a pass of one)."""
     return min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
 
 
@@ -209,12 +224,13 @@ class QuantizedExperts(HostExperts):
                 scale.reshape(E, -1).contiguous().view(torch.uint8).cpu()
         return cls(layout, qlayout, stored)
 
-    def _stage(self, device: torch.device, stream, scratch: dict) -> _Staging:
-        """The staging buffers of ``stream`` in ``scratch``, shared by every layer's store of this format and layout
-        (one fetch runs at a time on a stream; stream order and the buffers' read events keep reuse safe)."""
-        key = (device, id(stream), self.qlayout, self.layout, self.chunk)
+    def _stage(self, table: torch.Tensor, stream, scratch: dict) -> _Staging:
+        """The staging buffers of ``stream`` in ``scratch`` (the cache's, whose rows are ``table``), shared by every
+        layer's store of this format and layout (one fetch runs at a time on a stream; stream order and the buffers'
+        read events keep reuse safe)."""
+        key = (id(stream), self.qlayout, self.layout, self.chunk)
         if key not in scratch:
-            scratch[key] = _Staging(self, device, max(self.chunk, 1))
+            scratch[key] = _Staging(self, table, max(self.chunk, 1))
         return scratch[key]
 
     def copy_group(self, experts: list[int], slots: list[int], rows: Rows, streams: Streams, stream,
@@ -222,7 +238,7 @@ class QuantizedExperts(HostExperts):
         """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
         dequantization into cache ``slots`` (``rows``: the cache's S x P rows), a pass per chunk of experts, each
         copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's device buffers for it."""
-        stage = self._stage(rows.table.device, stream, scratch)
+        stage = self._stage(rows.table, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
         step = max(self.chunk, 1)
         for i in range(0, len(experts), step):
@@ -233,13 +249,7 @@ class QuantizedExperts(HostExperts):
                 streams.copy_to_device(stage.stored[b].span(j, count), self.rows.span(e, count), stream)
             streams.wait(work, streams.record(stream))
             with streams.on(work):
-                if self.chunk < 2:  # an expert over STAGE_BYTES: straight into its slot
-                    stage.fn(stage.stored[b].table[:1], self.qlayout, self.layout, rows.span(targets[0])[None])
-                else:
-                    stage.dequantize(b, n)
-                    for j, s, count in runs(range(n), targets):  # the runtime's copy: less host time than ``copy_``
-                        streams.copy_to_device(rows.span(s, count), stage.rows[b].span(j, count), work)
-            stage.read[b] = streams.record(work)
+                stage.dequantize(b, targets, streams, work)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
@@ -251,22 +261,27 @@ class QuantizedExperts(HostExperts):
 
 
 class _Staging:
-    """Device buffers for one stream's fetches, two of each so a copy overlaps the last one's dequantization:
-    ``stored`` (chunk x Q bytes), ``rows`` (chunk x P, for passes of several experts) and the event of each
-    buffer's last read. On a GPU a pass over n staged experts is a CUDA graph per (buffer, n), captured at its first
-    pass: one launch where the eager pass takes two to four per parameter, plus the views around them, in host time,
-    which a decode step's prefetch is short of."""
+    """Device buffers for one stream's fetches into one cache's rows (``table``), two of each so a copy overlaps the
+    last one's dequantization: ``stored`` (chunk x Q bytes), ``slots`` (chunk slot ids) and the event of each
+    buffer's last read. A pass dequantizes its n staged experts straight into their slots (``dequantize_into``), the
+    slot ids uploaded from a ring of ``RING`` host rows ahead of it. On a GPU a pass is a CUDA graph per (buffer,
+    n), captured at its first pass: one launch and one small copy where eager ops take several per parameter, plus
+    the views around them, in host time, which a decode step's prefetch is short of."""
 
-    def __init__(self, store: QuantizedExperts, device: torch.device, chunk: int):
-        self.qlayout, self.layout = store.qlayout, store.layout
+    def __init__(self, store: QuantizedExperts, table: torch.Tensor, chunk: int):
+        self.qlayout, self.layout, self.table = store.qlayout, store.layout, table
+        device, cuda = table.device, table.device.type == "cuda"
         self.stored = [Rows(torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device)) for _ in range(2)]
-        self.rows = [Rows(torch.empty(chunk if chunk > 1 else 0, store.layout.numel, dtype=store.layout.dtype,
-                                      device=device)) for _ in range(2)]
+        self.slots = list(torch.zeros(2, chunk, dtype=torch.int64, device=device).unbind(0))  # what each pass reads
+        self._ring = torch.zeros(RING, chunk, dtype=torch.int64, pin_memory=cuda)  # RING x chunk, on the host
+        self._ring_rows, self._ring_np = list(self._ring.unbind(0)), self._ring.numpy()
+        self._ring_read: list = [None] * RING  # per ring row: an event after the pass that read its upload
+        self._ring_next = 0
         self.read: list = [None, None]
         self._next = 0
-        self.fn = dequantizer(device)
-        # one memory pool (int4's look-up temporaries): the graphs replay one after another on the dequant stream
-        self._pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
+        self.fn = dequantizer(device, into=True)
+        # one memory pool (the compiled kernels' small scratch): the graphs replay one after another on one stream
+        self._pool = torch.cuda.graph_pool_handle() if cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def flip(self) -> int:
@@ -274,18 +289,26 @@ class _Staging:
         self._next ^= 1
         return self._next
 
-    def dequantize(self, b: int, n: int) -> None:
-        """Dequantize ``stored[b][:n]`` into ``rows[b][:n]`` on the current stream."""
+    def dequantize(self, b: int, targets: list[int], streams: Streams, stream) -> None:
+        """Dequantize ``stored[b][:n]`` into the table's rows ``targets`` (n slots) on ``stream``, the current one,
+        and mark the buffer read after it (``read[b]``)."""
+        r, n = self._ring_next, len(targets)
+        self._ring_next = (r + 1) % RING
+        if (done := self._ring_read[r]) is not None:
+            done.synchronize()  # this ring row's upload of RING passes ago has been read (long done)
+        self._ring_np[r, :n] = targets
+        streams.copy_to_device(self.slots[b], self._ring_rows[r], stream)
         if (graph := self._graphs.get((b, n))) is not None:
             graph.replay()
-            return
-        src, dst = self.stored[b].table[:n], self.rows[b].table[:n]
-        self.fn(src, self.qlayout, self.layout, dst)  # this pass's work, and the kernels' warm-up (and compile)
-        if self._pool is not None:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):  # synchronises the device: once per (buffer, n)
-                self.fn(src, self.qlayout, self.layout, dst)
-            self._graphs[b, n] = graph
+        else:
+            args = (self.stored[b].table[:n], self.slots[b][:n], self.qlayout, self.layout, self.table)
+            self.fn(*args)  # this pass's work, and the kernels' warm-up (and compile)
+            if self._pool is not None:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):  # synchronises the device: once per (buffer, n)
+                    self.fn(*args)
+                self._graphs[b, n] = graph
+        self.read[b] = self._ring_read[r] = streams.record(stream)
 
 
 def make_store(params: dict[str, torch.Tensor], fmt: str, pin: bool) -> HostExperts:
