@@ -1172,7 +1172,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5 or 6"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6 or 7"):
         load_profile(tmp_path / "old.json")
 
 

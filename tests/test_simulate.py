@@ -406,14 +406,15 @@ def test_a_quantized_prefill_fetches_in_groups_of_the_whole_cache():
 
 
 def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
-    """Version 2 timed dequantization eagerly (quantized stores overstated); before version 4 a call's host time has
-    no routing part (policies that wait for their misses overstated); before version 6 a prefill group's host cost
-    was timed at E/k tokens only (long prefills understated): each simulation says what applies to it."""
+    """Version 2 timed one expert dequantized eagerly, and versions before 7 the eager pass (quantized stores
+    overstated); before version 4 a call's host time has no routing part (policies that wait for their misses
+    overstated); before version 6 a prefill group's host cost was timed at E/k tokens only (long prefills
+    understated): each simulation says what applies to it."""
     from duoserve.bench.whatif import SimulateSettings, simulate
 
     shape = ModelShape.of("embedded", dtype="float32")
     notes = {}
-    for version in (2, 3, 4, 6):
+    for version in (2, 3, 4, 6, 7):
         path = tmp_path / f"v{version}.json"
         rows = [{**row, "routing_us": row["us"] / 2} for row in cpu_profile(shape)["call_host_us"]]
         by_tokens = {"group_host_by_tokens": [{"tokens": 4, "us": 40.0}, {"tokens": 64, "us": 60.0}]} \
@@ -427,11 +428,13 @@ def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
                 notes[version, policy, fmt] = simulate(s)["notes"]
     dequant = [key for key, said in notes.items() if any("dequantized eagerly" in note for note in said)]
     assert dequant == [(2, "duoserve", "fp8"), (2, "lru", "fp8")]
+    eager_pass = [key for key, said in notes.items() if any("eager dequantization pass" in note for note in said)]
+    assert eager_pass == [(v, p, "fp8") for v in (3, 4, 6) for p in ("duoserve", "lru")]
     routing = [key for key, said in notes.items() if any("no routing_us" in note and "lru" in note for note in said)]
     assert routing == [(v, "lru", fmt) for v in (2, 3) for fmt in ("model", "fp8")]
     groups = [key for key, said in notes.items() if any("E/k tokens only" in note for note in said)]
     assert groups == [key for key in notes if key[0] < 6]
-    assert notes[6, "lru", "fp8"] == notes[6, "duoserve", "model"] == []
+    assert notes[7, "lru", "fp8"] == notes[6, "duoserve", "model"] == []
 
 
 def test_a_simulation_of_a_trained_predictor_says_when_the_profile_timed_only_its_bare_call(tmp_path, trained):

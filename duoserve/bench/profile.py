@@ -97,13 +97,14 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
+# 7: dequant_ms is the engine's compiled pass straight into cache slots (before: eager, then copied into them);
 # 6: group_host_by_tokens, a prefill group's host cost by the call's tokens (group_host_us: at E/k tokens);
 # 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
 # each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 6
-READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6)
+PROFILE_VERSION = 7
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20

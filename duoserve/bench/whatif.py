@@ -101,10 +101,12 @@ def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:
 def _notes(s: SimulateSettings, profile: dict) -> list[str]:
     """What the reader of a simulation must know about its inputs' limits."""
     version, notes = profile["profile_version"], []
-    if s.expert_dtype != "model" and version < 3:
-        notes.append("this profile (version 2) timed one expert dequantized eagerly, launches included, not the "
-                     "engine's graphed passes: quantized stores' dequantization, and so their TTFT, are overstated; "
-                     "measure the device again with duoserve-run profile")
+    if s.expert_dtype != "model" and version < 7:
+        timed = "one expert dequantized eagerly, launches included" if version < 3 else \
+            "the eager dequantization pass, into scratch rows then copied into the slots"
+        notes.append(f"this profile (version {version}) timed {timed}, not the engine's compiled pass straight into "
+                     "the slots: quantized stores' dequantization, and so their TTFT, are overstated; measure the "
+                     "device again with duoserve-run profile")
     waiting = [p.name for p in map(get_policy, s.policies) if not (p.predict or p.prefetch_layer)]
     if version < 4 and waiting:
         notes.append(f"this profile (version {version}) has no routing_us: a layer call's whole host time is charged "
