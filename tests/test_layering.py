@@ -36,6 +36,8 @@ FORBIDDEN = {
 }
 # the one place evaluation may reach the trainer: the studies that fit fresh predictors
 MAY_FIT = {"duoserve.evaluate.generalization"}
+# imported by the runtime on CUDA devices only, and it needs Triton, which CPU builds of torch lack
+CUDA_ONLY = {"duoserve.runtime.quant_kernels"}
 
 
 def _modules(name: str) -> list[str]:
@@ -81,10 +83,10 @@ def _imports_all(modules: list[str]) -> str:
 def loaded(tmp_path_factory) -> dict[str, set[str]]:
     """What each probe's fresh interpreter loaded; the probes run side by side (each pays torch's import)."""
     folder = tmp_path_factory.mktemp("predictor") / "p"
-    library = [m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name) if m not in MAY_FIT]
+    library = [m for name in (*FORBIDDEN, "data", "embedded") for m in _modules(name) if m not in MAY_FIT | CUDA_ONLY]
     # the stages whose freedom from Lightning and later stages matters most at run time; the others' own
     # imports are checked statically above, and a duoserve import chain is only as loose as its weakest rule
-    codes = {name: _imports_all(_modules(name)) for name in ("runtime", "bench")}
+    codes = {name: _imports_all([m for m in _modules(name) if m not in CUDA_ONLY]) for name in ("runtime", "bench")}
     codes["evaluate"] = _imports_all([m for m in _modules("evaluate") if m not in MAY_FIT])
     codes["library"] = _imports_all(library)
     codes["load_predictor"] = (

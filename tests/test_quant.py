@@ -81,40 +81,23 @@ def _mixed_store(fmt: str) -> QuantizedExperts:
     return QuantizedExperts.quantize(params, fmt, pin=False)
 
 
-def _compiled_equals_eager(store: QuantizedExperts, compiled, compiled_into, device: torch.device) -> None:
-    """The compiled dequantization (into rows, and scattered into a cache's slots) writes what the eager one does on
-    the CPU, bit for bit (one rounding, the same one), and nothing else."""
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's dequantization kernels run on a CUDA device")
+@pytest.mark.parametrize("fmt", ["fp8", "int4"])
+def test_the_gpus_dequantization_kernels_write_the_cpus_eager_rows_bit_for_bit(fmt):
+    store, cuda = _mixed_store(fmt), torch.device("cuda")
     q, layout = store.qlayout, store.layout
-    for n in (4, 3, 1):  # the first pass size compiles, the next one dynamic, one expert apart
+    for n in (4, 3, 1):
         stored = store.packed[:n]
         eager = torch.full((n, layout.numel), 7.0, dtype=layout.dtype)
         dequantize(stored, q, layout, eager)
-        out = torch.full((n, layout.numel), 7.0, dtype=layout.dtype, device=device)
-        compiled(stored.to(device), q, layout, out)
-        assert torch.equal(out.cpu(), eager), (q.fmt, n)
         slots = torch.arange(2 * n - 1, 0, -2)  # every other row of a 2n-slot cache, from the last
         table = torch.full((2 * n, layout.numel), 7.0, dtype=layout.dtype)
-        dequantize_into(stored, slots, q, layout, table)
+        dequantize_into(stored, slots, q, layout, table)  # the CPU's path
         assert torch.equal(table[slots], eager) and (table[slots - 1] == 7).all()  # those rows, no others
-        on_device = torch.full_like(table, 7.0, device=device)
-        compiled_into(stored.to(device), slots.to(device), q, layout, on_device)
-        assert torch.equal(on_device.cpu(), table), (q.fmt, n)
-
-
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
-def test_the_compiled_dequantization_writes_the_eager_ones_rows_bit_for_bit(fmt):
-    cpu = torch.device("cpu")
-    assert dequantizer(cpu) is dequantize and dequantizer(cpu, into=True) is dequantize_into  # no compiler needed
-    # the GPU's compiled functions, compiled for the CPU here (Inductor's C++ backend)
-    _compiled_equals_eager(_mixed_store(fmt), torch.compile(dequantize), torch.compile(dequantize_into), cpu)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the compiled dequantization runs on a CUDA device")
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
-def test_the_gpus_compiled_dequantization_writes_the_cpus_eager_rows_bit_for_bit(fmt):
-    cuda = torch.device("cuda")
-    _compiled_equals_eager(_mixed_store(fmt), dequantizer(cuda), dequantizer(cuda, into=True), cuda)
+        on_device = table.new_full(table.shape, 7.0, device=cuda)
+        dequantizer(cuda)(stored.to(cuda), slots.to(cuda), q, layout, on_device)
+        assert torch.equal(on_device.cpu(), table), (fmt, n)  # one rounding, the same one
 
 
 def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_reference_does():

@@ -42,9 +42,8 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 ``duoserve`` engine with a random predictor: several times the bare call's
   dequant_ms    device time per expert of the engine's dequantization, by stored expert dtype: a pass of its
                 staging chunk (``quant.stage_chunk`` experts, replayed from a CUDA graph on a GPU) straight into
-                cache slots, divided by the chunk (profiles made before the pass was compiled timed it eagerly,
-                into scratch rows then copied into the slots; before those, one expert dequantized eagerly, wall
-                time with its launches: several times more)
+                cache slots, divided by the chunk (versions 3 to 6 timed the eager pass into scratch rows, then
+                copied into the slots; version 2 one expert dequantized eagerly, wall time with its launches)
   layer_ms      everything but the routed experts, per decoder layer: a decode step and a prefill, by batch
                 size and context length (the experts answering zeros through the experts interface): host time
                 (``decode_ms``, ``prefill_ms``: what the host spends launching it, timed by forward hooks on every
@@ -97,7 +96,7 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-# 7: dequant_ms is the engine's compiled pass straight into cache slots (before: eager, then copied into them);
+# 7: dequant_ms is the engine's pass straight into cache slots, Triton kernels on a GPU (before: eager, then copied);
 # 6: group_host_by_tokens, a prefill group's host cost by the call's tokens (group_host_us: at E/k tokens);
 # 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
 # each the median of rounds, a fetch's from the engine's fetch section;
@@ -213,7 +212,7 @@ def _dequant_ms(quantized: QuantizedExperts, device: torch.device, repeats: int)
     stored = quantized.packed[:n].to(device)  # n x Q
     table = torch.empty(2 * n, layout.numel, dtype=layout.dtype, device=device)  # 2n x P: cache rows
     slots = torch.arange(0, 2 * n, 2, device=device)  # n
-    fn = dequantizer(device, into=True)
+    fn = dequantizer(device)
     return device_ms(lambda: fn(stored, slots, quantized.qlayout, layout, table), device, repeats) / n
 
 

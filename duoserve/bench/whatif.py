@@ -104,7 +104,7 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
     if s.expert_dtype != "model" and version < 7:
         timed = "one expert dequantized eagerly, launches included" if version < 3 else \
             "the eager dequantization pass, into scratch rows then copied into the slots"
-        notes.append(f"this profile (version {version}) timed {timed}, not the engine's compiled pass straight into "
+        notes.append(f"this profile (version {version}) timed {timed}, not the engine's kernels straight into "
                      "the slots: quantized stores' dequantization, and so their TTFT, are overstated; measure the "
                      "device again with duoserve-run profile")
     waiting = [p.name for p in map(get_policy, s.policies) if not (p.predict or p.prefetch_layer)]

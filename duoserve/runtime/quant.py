@@ -21,10 +21,10 @@ staging buffers alternate, so the next copy overlaps this dequantization: the co
 Only the dequantization waits for the slots' last readers (``ExpertCache.fetch``): with a cache of a layer's worth
 of slots (Mixtral's two), the next layer's copies to staging run during this layer's compute.
 Dequantizing makes each weight its code (an fp8 value, or an int4 nibble less 8) times its block or group scale, in
-float32, rounded once to the cache's dtype. On a GPU it is compiled (``dequantizer``): one memory-bound kernel
-writes a pass's rows, where eager ops take several passes over temporaries (the dequantization runs between an
-expert's copy and its compute, so its device time adds to both a prefill's and a decode step's). A decode step
-is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
+float32, rounded once to the cache's dtype. On a GPU it runs as Triton kernels (``dequantizer``): one pass near
+the memory bandwidth writes a pass's rows, where eager ops take several over temporaries (the dequantization runs
+between an expert's copy and its compute, so its device time adds to both a prefill's and a decode step's). A
+decode step is short of host time, so a fetch group is dequantized in passes of up to ``STAGE_ROWS`` experts (and
 ``STAGE_BYTES`` of cache rows; an expert larger than that, Mixtral's, is a pass of its own), each straight into its
 slots (``dequantize_into``, the slot ids uploaded ahead of it) and on a GPU one CUDA-graph replay. ``dequantize`` is
 the one implementation, used by the engine and by the reference model the tests compare against, so both round
@@ -60,7 +60,8 @@ def check_expert_dtype(fmt: str) -> str:
     return fmt
 
 
-def _block(dim: int) -> int:
+def block_side(dim: int) -> int:
+    """The fp8 block side and int4 group size along a dimension: 128, or the whole dimension off multiples of it."""
     return BLOCK if dim % BLOCK == 0 else dim
 
 
@@ -83,7 +84,7 @@ class Segment:
     @property
     def scale_shape(self) -> tuple[int, int]:
         R, C = self.shape
-        return (R // _block(R), C // _block(C)) if self.kind == "fp8" else (R, C // _block(C))
+        return (R // block_side(R), C // block_side(C)) if self.kind == "fp8" else (R, C // block_side(C))
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class QuantLayout:
             scales = 0
             if kind != "raw":
                 R, C = shape
-                scales = 4 * (R // _block(R) if kind == "fp8" else R) * (C // _block(C))
+                scales = 4 * (R // block_side(R) if kind == "fp8" else R) * (C // block_side(C))
             segments.append(Segment(name, shape, kind, offset, nbytes, offset + _aligned(nbytes), scales))
             offset += _aligned(nbytes) + _aligned(scales)
         return cls(fmt, tuple(segments), offset)
@@ -117,12 +118,12 @@ def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     n, R, C = w.shape
     w = w.float()
     if kind == "fp8":
-        br, bc = _block(R), _block(C)
+        br, bc = block_side(R), block_side(C)
         blocks = w.view(n, R // br, br, C // bc, bc)
         scale = blocks.abs().amax(dim=(2, 4)).clamp_min(1e-12) / _FP8_MAX  # n x R/br x C/bc
         codes = (blocks / scale[:, :, None, :, None]).clamp(-_FP8_MAX, _FP8_MAX).to(_FP8)  # n x R/br x br x C/bc x bc
         return codes.view(n, -1).view(torch.uint8), scale
-    g = _block(C)
+    g = block_side(C)
     groups = w.view(n, R, C // g, g)
     scale = groups.abs().amax(dim=3).clamp_min(1e-12) / 7  # n x R x C/g
     q = (groups / scale[..., None]).round().clamp(-8, 7).to(torch.int16).add(8).view(n, R, C // 2, 2)  # 0..15
@@ -133,8 +134,8 @@ def quantize(w: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
 def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout, out: torch.Tensor) -> None:
     """Write n stored rows (n x Q uint8) into n packed rows ``out`` (n x P, the cache's dtype), on the current
     stream of their device. Each weight is its code times its scale, computed in float32 and rounded once to the
-    cache's dtype. Eager, this reads the rows in place (strided views) with float32 temporaries; compiled
-    (``dequantizer``), one memory-bound pass."""
+    cache's dtype. This reads the rows in place (strided views), with float32 temporaries: the CPU's path and the
+    reference (a GPU's is ``dequantizer``'s)."""
     n = len(stored)
     views = layout.views(out)
     for seg in qlayout.segments:
@@ -147,11 +148,11 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
         scale = stored[:, seg.scale_offset:seg.scale_offset + seg.scale_nbytes].view(torch.float32)
         R, C = seg.shape
         if seg.kind == "fp8":
-            br, bc = _block(R), _block(C)
+            br, bc = block_side(R), block_side(C)
             values = codes.view(_FP8).unflatten(1, (R // br, br, C // bc, bc)).float()  # n x R/br x br x C/bc x bc
             dst.view(n, R // br, br, C // bc, bc).copy_(values * scale.unflatten(1, (R // br, 1, C // bc, 1)))
         else:
-            g = _block(C)
+            g = block_side(C)
             pairs = codes.unflatten(1, (R, C // 2))  # n x R x C/2: two weights a byte, the low nibble first
             shifts = torch.arange(0, 8, 4, dtype=torch.uint8, device=codes.device)  # 2: no host-to-device copy
             values = ((pairs[..., None] >> shifts) & 15).float() - 8  # n x R x C/2 x 2
@@ -161,24 +162,23 @@ def dequantize(stored: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
 def dequantize_into(stored: torch.Tensor, slots: torch.Tensor, qlayout: QuantLayout, layout: ExpertLayout,
                     table: torch.Tensor) -> None:
     """Write n stored rows (n x Q uint8) into rows ``slots`` (n, int64, on its device) of ``table`` (S x P, the
-    cache's rows): ``dequantize`` into scratch rows (padding zeroed), then scattered. Compiled, one kernel reads the
-    stored rows and writes the slots' rows, with no scratch."""
+    cache's rows): ``dequantize`` into scratch rows (padding zeroed), then scattered (on a GPU: ``dequantizer``)."""
     rows = torch.zeros(len(stored), layout.numel, dtype=layout.dtype, device=table.device)  # n x P
     dequantize(stored, qlayout, layout, rows)
     table.index_copy_(0, slots, rows)
 
 
-# compiled at its first call, per layout and format (and pass size, once dynamic)
-_COMPILED = {dequantize: torch.compile(dequantize), dequantize_into: torch.compile(dequantize_into)}
-
-
-def dequantizer(device: torch.device, into: bool = False) -> Callable[..., None]:
-    """``dequantize`` (``into``: ``dequantize_into``) as it runs on ``device``: on a GPU compiled (torch.compile:
-    Inductor fuses each parameter's read, unpacking, scaling and rounding, and the scatter, into one kernel writing
-    the cache's rows, where the eager ops take several passes over float32 temporaries), elsewhere eager. Both
-    round the same way: tests hold them equal."""
-    fn = dequantize_into if into else dequantize
-    return _COMPILED[fn] if device.type == "cuda" else fn
+def dequantizer(device: torch.device) -> Callable[..., None]:
+    """``dequantize_into`` as it runs on ``device``: on a GPU as Triton kernels (``quant_kernels``: one pass over
+    the staged rows, writing the slots' rows, near the device's memory bandwidth, where the eager ops take several
+    passes over float32 temporaries), elsewhere eager. Both round the same way: tests hold them equal."""
+    if device.type != "cuda":
+        return dequantize_into
+    try:
+        from duoserve.runtime import quant_kernels  # Triton: it comes with torch's CUDA builds for Linux
+    except ImportError:  # a CUDA build without it: the eager ops, slower
+        return dequantize_into
+    return quant_kernels.dequantize_into
 
 
 def stage_chunk(layout: ExpertLayout) -> int:
@@ -253,10 +253,10 @@ class QuantizedExperts(HostExperts):
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
-        rows = torch.empty(len(self.packed), self.layout.numel, dtype=self.layout.dtype, device=device)  # E x P
-        fn = dequantizer(rows.device)
+        rows = torch.zeros(len(self.packed), self.layout.numel, dtype=self.layout.dtype, device=device)  # E x P
+        fn, first = dequantizer(rows.device), torch.zeros(1, dtype=torch.int64, device=device)
         for e in range(len(rows)):  # an expert at a time: eager temporaries stay one expert's
-            fn(self.packed[e:e + 1].to(device), self.qlayout, self.layout, rows[e:e + 1])
+            fn(self.packed[e:e + 1].to(device), first, self.qlayout, self.layout, rows[e:e + 1])
         return {n: v.contiguous() for n, v in self.layout.views(rows).items()}
 
 
@@ -279,8 +279,8 @@ class _Staging:
         self._ring_next = 0
         self.read: list = [None, None]
         self._next = 0
-        self.fn = dequantizer(device, into=True)
-        # one memory pool (the compiled kernels' small scratch): the graphs replay one after another on one stream
+        self.fn = dequantizer(device)
+        # one memory pool (the kernels' small scratch): the graphs replay one after another on one stream
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
@@ -302,7 +302,7 @@ class _Staging:
             graph.replay()
         else:
             args = (self.stored[b].table[:n], self.slots[b][:n], self.qlayout, self.layout, self.table)
-            self.fn(*args)  # this pass's work, and the kernels' warm-up (and compile)
+            self.fn(*args)  # this pass's work, and the kernels' warm-up (and their compile)
             if self._pool is not None:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self._pool):  # synchronises the device: once per (buffer, n)
