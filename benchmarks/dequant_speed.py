@@ -5,9 +5,8 @@ A quantized fetch's dequantization runs between an expert's copy and its compute
 time adds to every layer of a prefill and of a decode step whose copies it trails. For each named shape's expert
 (random bf16 weights) and each stored format, this times the engine's pass (``quant.dequantize_into``: the staging
 chunk of ``quant.stage_chunk`` experts, 10 of Qwen3-30B-A3B's and one of Mixtral-8x7B's, straight into every other
-slot of a cache) replayed from a CUDA graph, per expert: eager (``quant.dequantize_into``, the CPU's path), as
-``torch.compile`` compiles it, and as the engine runs it on a GPU (``quant.dequantizer``: Triton kernels); and the
-floor, the pass's bytes (stored rows read, cache rows written) at the device's own
+slot of a cache) replayed from a CUDA graph, per expert: eager (``quant.dequantize_into``, the CPU's path) and as
+the engine runs it on a GPU (``quant.dequantizer``: Triton kernels); and the floor, the pass's bytes (stored rows read, cache rows written) at the device's own
 copy bandwidth (a device-to-device copy of the cache rows, timed alike).
 
     python benchmarks/dequant_speed.py --device cuda --out benchmarks/results/dequant_speed_h200.json
@@ -49,15 +48,14 @@ def measure(name: str, device: torch.device, repeats: int) -> list[dict]:
         store = QuantizedExperts.quantize(params, fmt, pin=False)
         stored = store.packed.to(device)  # n x Q
         times = {label: device_ms(lambda fn=fn: fn(stored, slots, store.qlayout, layout, table), device, repeats) / n
-                 for label, fn in (("eager", dequantize_into), ("compiled", torch.compile(dequantize_into)),
-                                   ("engine", dequantizer(device)))}
+                 for label, fn in (("eager", dequantize_into), ("engine", dequantizer(device)))}
         floor_ms = (stored.numel() + rows.numel() * rows.element_size()) / gbps / 1e6 / n
         out.append({"shape": name, "format": fmt, "experts_per_pass": n, "expert_mb": layout.nbytes / 1e6,
                     "stored_mb": store.row_bytes / 1e6, **{f"{label}_ms": ms for label, ms in times.items()},
                     "floor_ms": floor_ms, "copy_gbps": gbps, "engine_vs_eager": times["eager"] / times["engine"],
                     "engine_vs_floor": times["engine"] / floor_ms})
         print(f"{name:>14} {fmt:>4}, {n:>2} experts a pass, us an expert: eager {times['eager'] * 1e3:7.1f}, "
-              f"compiled {times['compiled'] * 1e3:7.1f}, engine {times['engine'] * 1e3:7.1f} "
+              f"engine {times['engine'] * 1e3:7.1f} "
               f"({out[-1]['engine_vs_eager']:.1f}x faster than eager, {out[-1]['engine_vs_floor']:.2f}x the floor "
               f"of {floor_ms * 1e3:.1f} at {gbps:.0f} GB/s)")
     return out
