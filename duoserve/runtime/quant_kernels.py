@@ -26,8 +26,8 @@ BLOCK = 1024  # codes (fp8) or bytes (int4, two codes each) a program dequantize
 @triton.jit
 def _fp8(stored, scales, slots, table, row_bytes, row_floats, P, numel, C, br, bc, code_at, scale_at, dst_at,
          BLOCK: tl.constexpr):
-    e = tl.program_id(0)
-    i = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # positions in the R x C matrix
+    e = tl.program_id(1)  # the expert; axis 0 takes the blocks, as a grid's axis 1 stops at 65535
+    i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # positions in the R x C matrix
     live = i < numel
     r, c = i // C, i % C
     code = tl.load(stored + e * row_bytes + code_at + i, mask=live)
@@ -40,8 +40,8 @@ def _fp8(stored, scales, slots, table, row_bytes, row_floats, P, numel, C, br, b
 @triton.jit
 def _int4(stored, scales, slots, table, row_bytes, row_floats, P, nbytes, half_c, groups, half_g, code_at, scale_at,
           dst_at, BLOCK: tl.constexpr):
-    e = tl.program_id(0)
-    j = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # bytes of the matrix: weights 2j and 2j + 1
+    e = tl.program_id(1)
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # bytes of the matrix: weights 2j and 2j + 1
     live = j < nbytes
     code = tl.load(stored + e * row_bytes + code_at + j, mask=live)
     # both weights of a byte share a group (the group size is even): row j // (C/2), group (j % (C/2)) // (g/2)
@@ -70,9 +70,9 @@ def dequantize_into(stored: torch.Tensor, slots: torch.Tensor, qlayout, layout, 
         br, bc = (d if d % 128 else 128 for d in seg.shape)  # ``quant._block``: a whole dimension off 128s
         common = (stored, scales, slots, table, Q, Q // 4, table.shape[1])
         if seg.kind == "fp8":
-            _fp8[(n, triton.cdiv(R * C, BLOCK))](*common, R * C, C, br, bc, seg.offset, seg.scale_offset // 4, dst_at,
+            _fp8[(triton.cdiv(R * C, BLOCK), n)](*common, R * C, C, br, bc, seg.offset, seg.scale_offset // 4, dst_at,
                                                  BLOCK=BLOCK)
         else:
             nbytes = R * C // 2
-            _int4[(n, triton.cdiv(nbytes, BLOCK))](*common, nbytes, C // 2, C // bc, bc // 2, seg.offset,
+            _int4[(triton.cdiv(nbytes, BLOCK), n)](*common, nbytes, C // 2, C // bc, bc // 2, seg.offset,
                                                    seg.scale_offset // 4, dst_at, BLOCK=BLOCK)
