@@ -6,10 +6,11 @@ time adds to every layer of a prefill and of a decode step whose copies it trail
 (random bf16 weights) and each stored format, this times the engine's pass (``quant.dequantize_into``: the staging
 chunk of ``quant.stage_chunk`` experts, 10 of Qwen3-30B-A3B's and one of Mixtral-8x7B's, straight into every other
 slot of a cache) replayed from a CUDA graph, per expert: eager (``quant.dequantize_into``, the CPU's path) and as
-the engine runs it on a GPU (``quant.dequantizer``: Triton kernels); and the floor, the pass's bytes (stored rows read, cache rows written) at the device's own
-copy bandwidth (a device-to-device copy of the cache rows, timed alike).
+the engine runs it on a GPU (``quant.dequantizer``: Triton kernels); and the floor, the pass's bytes (stored rows
+read, cache rows written) at the device's own copy bandwidth (a device-to-device copy of the cache rows, timed
+alike).
 
-    python benchmarks/dequant_speed.py --device cuda --out benchmarks/results/dequant_speed_h200.json
+    python benchmarks/dequant_speed.py --device cuda --out benchmarks/results/dequant_speed_h100.json
 """
 
 from __future__ import annotations

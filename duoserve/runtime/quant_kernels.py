@@ -5,11 +5,11 @@ R x C one weight matrix.
 
 A pass reads its staged rows (n x Q bytes) once and writes its slots' cache rows once: per weight matrix one
 kernel whose programs each take a stretch of one expert's codes, so loads and stores are contiguous and the pass
-runs near the device's memory bandwidth (``benchmarks/dequant_speed.py``); the eager torch ops take several
-passes over float32 temporaries, and ``torch.compile``'s kernel of them ran several times slower on Mixtral's
-large experts. Each weight is its code times its scale in float32, rounded once to the cache's dtype, as
-``quant.dequantize`` computes it on the CPU: tests hold the two equal bit for bit. Imported on CUDA devices
-only (Triton comes with CUDA builds of torch).
+runs near the device's memory bandwidth (``benchmarks/dequant_speed.py``: about twice the floor); the eager torch
+ops take several passes over float32 temporaries, and ``torch.compile``'s kernel of them ran 2.5x slower than
+those on Mixtral's large experts (an H100). Each weight is its code times its scale in float32, rounded once to
+the cache's dtype, as ``quant.dequantize`` computes it on the CPU: tests hold the two equal bit for bit. Imported
+on CUDA devices only (Triton comes with torch's CUDA builds for Linux).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from duoserve.runtime.quant import block_side
 
 BLOCK = 1024  # codes (fp8) or bytes (int4, two codes each) a program dequantizes
 
@@ -67,7 +69,7 @@ def dequantize_into(stored: torch.Tensor, slots: torch.Tensor, qlayout, layout, 
             table[:, dst_at:dst_at + numel].index_copy_(0, slots, rows)
             continue
         R, C = seg.shape
-        br, bc = (d if d % 128 else 128 for d in seg.shape)  # ``quant._block``: a whole dimension off 128s
+        br, bc = block_side(R), block_side(C)
         common = (stored, scales, slots, table, Q, Q // 4, table.shape[1])
         if seg.kind == "fp8":
             _fp8[(triton.cdiv(R * C, BLOCK), n)](*common, R * C, C, br, bc, seg.offset, seg.scale_offset // 4, dst_at,
