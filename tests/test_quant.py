@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -98,6 +101,36 @@ def test_the_gpus_dequantization_kernels_write_the_cpus_eager_rows_bit_for_bit(f
         on_device = table.new_full(table.shape, 7.0, device=cuda)
         dequantizer(cuda)(stored.to(cuda), slots.to(cuda), q, layout, on_device)
         assert torch.equal(on_device.cpu(), table), (fmt, n)  # one rounding, the same one
+
+
+_UNDER_INTERPRETER = """
+import torch
+from duoserve.runtime import quant_kernels
+from duoserve.runtime.quant import QuantizedExperts, dequantize_into
+g = torch.Generator().manual_seed(3)
+for dtype in (torch.float16, torch.float32):
+    params = {"gate_up_proj": (torch.randn(3, 256, 384, generator=g) * torch.logspace(-4, 1, 384)).to(dtype),
+              "down_proj": torch.randn(3, 96, 64, generator=g).to(dtype), "bias": torch.randn(3, 256).to(dtype)}
+    for fmt in ("fp8", "int4"):
+        store = QuantizedExperts.quantize(params, fmt, pin=False)
+        for n in (3, 1):
+            slots = torch.arange(2 * n - 1, 0, -2)
+            eager = torch.full((2 * n, store.layout.numel), 7.0, dtype=dtype)
+            kernels = eager.clone()
+            dequantize_into(store.packed[:n], slots, store.qlayout, store.layout, eager)
+            quant_kernels.dequantize_into(store.packed[:n].contiguous(), slots, store.qlayout, store.layout, kernels)
+            assert torch.equal(kernels, eager), (dtype, fmt, n)
+print("equal")
+"""
+
+
+def test_the_gpus_dequantization_kernels_under_tritons_interpreter_write_the_eager_rows():
+    """The kernels' indexing (blocks, scales, nibbles, slots) checked on the CPU: Triton's interpreter runs them on
+    host tensors. Exact on fp16 and fp32 caches; bf16 is the GPU test's (the interpreter casts to it by truncation)."""
+    pytest.importorskip("triton", reason="Triton (the dev extra, on Linux x86-64) runs its kernels' interpreter")
+    run = subprocess.run([sys.executable, "-c", _UNDER_INTERPRETER], env={**os.environ, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0 and run.stdout.strip().endswith("equal"), run.stderr[-3000:]
 
 
 def test_bf16_stored_rows_are_half_and_a_quarter_and_fetches_dequantize_as_the_reference_does():
