@@ -26,8 +26,13 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e .
 	touch $@
 
+# Triton for its interpreter alone (the GPU kernels' tests, on the CPU), in a folder of its own: the venv's torch
+# never imports it (CUDA builds of torch bring their own)
+TRITON_ASIDE = $(VENV)/triton-interpreter
 $(VENV)/.installed-dev: $(VENV)/.installed
 	$(PY) -m pip install -q -e ".[dev]"
+	$(if $(filter Linux-x86_64,$(shell uname -s)-$(shell uname -m)),$(PY) -m pip install -q --no-deps \
+	  --target $(TRITON_ASIDE) "triton>=3.2" || echo "no Triton: the interpreter test of the GPU kernels will skip")
 	touch $@
 
 demo: setup
