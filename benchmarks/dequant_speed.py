@@ -24,7 +24,7 @@ from duoserve.runtime.quant import QuantizedExperts, dequantize_into, dequantize
 from duoserve.runtime.store import ExpertLayout
 
 
-def expert_params(name: str, n: int, device: torch.device) -> dict[str, torch.Tensor]:
+def random_experts(name: str, n: int, device: torch.device) -> dict[str, torch.Tensor]:
     """``n`` experts of the named shape (gate and up fused, as transformers' experts modules hold them), bf16."""
     config = shape_config(name)
     H = config.hidden_size
@@ -36,9 +36,9 @@ def expert_params(name: str, n: int, device: torch.device) -> dict[str, torch.Te
 
 def measure(name: str, device: torch.device, repeats: int) -> list[dict]:
     """One row per stored format for the named shape's expert (module docstring)."""
-    layout = ExpertLayout.of(expert_params(name, 1, torch.device("meta")))
+    layout = ExpertLayout.of(random_experts(name, 1, torch.device("meta")))
     n = max(stage_chunk(layout), 1)
-    params = expert_params(name, n, device)
+    params = random_experts(name, n, device)
     table = torch.empty(2 * n, layout.numel, dtype=layout.dtype, device=device)  # 2n x P: a cache's rows
     slots = torch.arange(0, 2 * n, 2, device=device)  # n: every other slot, as a decode pass's are no stretch
     rows, other = table[:n], table[n:]

@@ -37,6 +37,7 @@ from duoserve.predictor.fast import (
     GraphedPredictor,
     SparseHistoryPredictor,
     TrainedPredictor,
+    deployable,
     fold_batchnorm,
     graph_call,
 )
@@ -139,7 +140,7 @@ def main() -> None:
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            module = (SparseHistoryPredictor(model) if sparse_graph else fold_batchnorm(model)).to(device, dtype)
+            module = deployable(model, sparse_graph, device, dtype)
             compiled = torch.compile(graph_call(module, "ids", k), fullgraph=True, mode=mode) if mode else None
             start = time.perf_counter()
             graphed = GraphedPredictor(model, batch_size=1, device=device, module=module, compiled=compiled,

@@ -78,50 +78,46 @@ def test_int4_round_trip_is_within_half_a_step_and_packs_two_weights_a_byte():
     assert moved.sum() == 1 and moved[0, 0, 0]
 
 
-def _mixed_store(fmt: str) -> QuantizedExperts:
-    """bf16 experts with whole 128-blocks, dims that are not, wide-ranging magnitudes and a bias (stored raw)."""
+def _mixed_store(fmt: str, dtype: torch.dtype = torch.bfloat16) -> QuantizedExperts:
+    """Experts with whole 128-blocks, dims that are not, wide-ranging magnitudes and a bias (stored raw)."""
     g = torch.Generator().manual_seed(2)
-    params = {"gate_up_proj": (torch.randn(4, 256, 384, generator=g) * torch.logspace(-4, 1, 384)).bfloat16(),
-              "down_proj": torch.randn(4, 96, 64, generator=g).bfloat16(), "bias": torch.randn(4, 256).bfloat16()}
-    return QuantizedExperts.quantize(params, fmt, pin=False)
+    params = {"gate_up_proj": torch.randn(4, 256, 384, generator=g) * torch.logspace(-4, 1, 384),
+              "down_proj": torch.randn(4, 96, 64, generator=g), "bias": torch.randn(4, 256, generator=g)}
+    return QuantizedExperts.quantize({name: p.to(dtype) for name, p in params.items()}, fmt, pin=False)
+
+
+def _kernels_write_the_eager_rows(kernels, device: torch.device, dtypes: tuple[torch.dtype, ...]) -> None:
+    """``kernels`` (``quant_kernels.dequantize_into``) write, on ``device``, what the CPU's eager path writes into a
+    cache's slots (every other row, from the last), bit for bit, and nothing else."""
+    for dtype in dtypes:
+        for fmt in ("fp8", "int4"):
+            store = _mixed_store(fmt, dtype)
+            q, layout = store.qlayout, store.layout
+            for n in (4, 3, 1):
+                stored = store.packed[:n]
+                eager = torch.full((n, layout.numel), 7.0, dtype=dtype)
+                dequantize(stored, q, layout, eager)
+                slots = torch.arange(2 * n - 1, 0, -2)  # n
+                table = torch.full((2 * n, layout.numel), 7.0, dtype=dtype)
+                dequantize_into(stored, slots, q, layout, table)  # the CPU's path
+                assert torch.equal(table[slots], eager) and (table[slots - 1] == 7).all()  # those rows, no others
+                on_device = torch.full_like(table, 7.0, device=device)  # its own rows, on the CPU too
+                kernels(stored.to(device), slots.to(device), q, layout, on_device)
+                assert torch.equal(on_device.cpu(), table), (dtype, fmt, n)  # one rounding, the same one
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the GPU's dequantization kernels run on a CUDA device")
-@pytest.mark.parametrize("fmt", ["fp8", "int4"])
-def test_the_gpus_dequantization_kernels_write_the_cpus_eager_rows_bit_for_bit(fmt):
-    store, cuda = _mixed_store(fmt), torch.device("cuda")
-    q, layout = store.qlayout, store.layout
-    for n in (4, 3, 1):
-        stored = store.packed[:n]
-        eager = torch.full((n, layout.numel), 7.0, dtype=layout.dtype)
-        dequantize(stored, q, layout, eager)
-        slots = torch.arange(2 * n - 1, 0, -2)  # every other row of a 2n-slot cache, from the last
-        table = torch.full((2 * n, layout.numel), 7.0, dtype=layout.dtype)
-        dequantize_into(stored, slots, q, layout, table)  # the CPU's path
-        assert torch.equal(table[slots], eager) and (table[slots - 1] == 7).all()  # those rows, no others
-        on_device = table.new_full(table.shape, 7.0, device=cuda)
-        dequantizer(cuda)(stored.to(cuda), slots.to(cuda), q, layout, on_device)
-        assert torch.equal(on_device.cpu(), table), (fmt, n)  # one rounding, the same one
+def test_the_gpus_dequantization_kernels_write_the_cpus_eager_rows_bit_for_bit():
+    cuda = torch.device("cuda")
+    _kernels_write_the_eager_rows(dequantizer(cuda), cuda, (torch.bfloat16, torch.float16, torch.float32))
 
 
 _UNDER_INTERPRETER = """
 import torch
 from duoserve.runtime import quant_kernels
-from duoserve.runtime.quant import QuantizedExperts, dequantize_into
-g = torch.Generator().manual_seed(3)
-for dtype in (torch.float16, torch.float32):
-    params = {"gate_up_proj": (torch.randn(3, 256, 384, generator=g) * torch.logspace(-4, 1, 384)).to(dtype),
-              "down_proj": torch.randn(3, 96, 64, generator=g).to(dtype), "bias": torch.randn(3, 256).to(dtype)}
-    for fmt in ("fp8", "int4"):
-        store = QuantizedExperts.quantize(params, fmt, pin=False)
-        for n in (3, 1):
-            slots = torch.arange(2 * n - 1, 0, -2)
-            eager = torch.full((2 * n, store.layout.numel), 7.0, dtype=dtype)
-            kernels = eager.clone()
-            dequantize_into(store.packed[:n], slots, store.qlayout, store.layout, eager)
-            quant_kernels.dequantize_into(store.packed[:n].contiguous(), slots, store.qlayout, store.layout, kernels)
-            assert torch.equal(kernels, eager), (dtype, fmt, n)
+from tests.test_quant import _kernels_write_the_eager_rows
+_kernels_write_the_eager_rows(quant_kernels.dequantize_into, torch.device("cpu"), (torch.float16, torch.float32))
 print("equal")
 """
 

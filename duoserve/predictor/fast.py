@@ -77,6 +77,12 @@ class SparseHistoryPredictor(nn.Module):
     predict = ExpertPredictor.predict  # the same top ids, from this forward
 
 
+def deployable(predictor: ExpertPredictor, sparse: bool, device: str | torch.device,
+               dtype: torch.dtype = torch.float32) -> nn.Module:
+    """``predictor`` as it is deployed on ``device``: BatchNorm folded, with the sparse first layer or the dense one."""
+    return (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
+
+
 def nextgate_features(gate: Gate | None, hidden: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     """The next-gate's B x m ids and scores (None where it gives none) from ``gate`` on ``hidden``."""
     return (None, None) if gate is None else (*gate(hidden), None)[:2]
@@ -141,7 +147,7 @@ class GraphedPredictor:
                              "next-gate (gate)")
         self.budget = budget or s.top_k
         if module is None:
-            module = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device, dtype)
+            module = deployable(predictor, sparse, device, dtype)
         self.model, self.gate = module, gate
         plain = graph_call(module, output, self.budget)
         self.history = history if history is not None else \
@@ -223,7 +229,7 @@ class TrainedPredictor:
         self.predictor, self.compile = predictor, compile
         if sparse is None:
             sparse = compile or torch.device(device).type == "cpu"
-        self.model = (SparseHistoryPredictor(predictor) if sparse else fold_batchnorm(predictor)).to(device)
+        self.model = deployable(predictor, sparse, device)
         self._graphs: dict[tuple, GraphedPredictor] = {}  # (B, output, k, target, depth, gate) -> captured call
         self._compiled: dict[tuple, Callable | None] = {}  # (output, k) -> the compiled call its graphs share
         self._pool: tuple | None = None  # the graphs' memory pool

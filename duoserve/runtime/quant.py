@@ -273,8 +273,8 @@ class _Staging:
         device, cuda = table.device, table.device.type == "cuda"
         self.stored = [Rows(torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device)) for _ in range(2)]
         self.slots = list(torch.zeros(2, chunk, dtype=torch.int64, device=device).unbind(0))  # what each pass reads
-        self._ring = torch.zeros(RING, chunk, dtype=torch.int64, pin_memory=cuda)  # RING x chunk, on the host
-        self._ring_rows, self._ring_np = list(self._ring.unbind(0)), self._ring.numpy()
+        ring = torch.zeros(RING, chunk, dtype=torch.int64, pin_memory=cuda)  # RING x chunk, on the host
+        self._ring_rows, self._ring_np = list(ring.unbind(0)), ring.numpy()
         self._ring_read: list = [None] * RING  # per ring row: an event after the pass that read its upload
         self._ring_next = 0
         self.read: list = [None, None]
