@@ -125,6 +125,60 @@ def test_simulator_counts_equal_the_engines_on_the_same_routing_and_predictor(em
         assert {key: simulated[key] for key in COUNTERS} == engine, (name, fmt)
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_engine_and_simulator(
+        embedded, trained, batch, monkeypatch):
+    """Decode layers replayed from step graphs leave each prefetch to the next layer call's start (on a GPU; forced
+    here on the CPU stand-in), and a profile measured with step graphs makes the simulator do the same: their counts
+    stay equal, every predicted expert is still copied before its layer's routing is looked up (an oracle that is
+    always right finds each decode layer's experts cached at B=1, but for a step's first), and as many are copied
+    as when they are queued within the call."""
+    model, tokenizer = embedded
+    shape = ModelShape.of("embedded", dtype="float32")
+    graphed = Costs({**cpu_profile(shape), "step_graphs": True})
+    slots = 3 * shape.top_k + 2
+    budgeted = EngineSettings(gpu_expert_budget=slots * shape.layout.nbytes, pin=((0, 0), (1, 3)))
+    cases = [("oracle", EngineSettings(), "model"), ("oracle:0.5", budgeted, "model"),
+             ("trained", EngineSettings(), "model"), ("oracle:0.9", EngineSettings(lookahead=2), "model"),
+             ("oracle:0.5", EngineSettings(), "fp8")]
+    policy = POLICIES["duoserve"]
+    within = {}
+    for predictor, settings, fmt in cases:
+        spec = str(trained) if predictor == "trained" else predictor
+        sim = Simulator(shape, graphed, policy, spec, settings, expert_dtype=fmt)
+        assert sim.scheduler.defer_prefetch
+        simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
+        within[predictor, fmt] = run(Simulator(shape, Costs(cpu_profile(shape)), policy, spec, settings,
+                                               expert_dtype=fmt), ((0, p) for p in random_passes(shape, batch, 7, 6)))
+        with monkeypatch.context() as m:
+            m.setattr(OffloadEngine, "defer_prefetch", True)  # what replayed step graphs make it
+            engine = _engine_counts(model, tokenizer, policy, load_predictor(trained) if predictor == "trained" else
+                                    predictor, settings, batch, prompt=7, new=6, expert_dtype=fmt)
+        assert {key: simulated[key] for key in COUNTERS} == engine, (predictor, settings, fmt)
+        if batch == 1 and settings.gpu_expert_budget is None:
+            assert simulated["prefetched"] == within[predictor, fmt]["prefetched"] > 0
+            assert simulated["hit_rate"] == within[predictor, fmt]["hit_rate"]
+            if predictor == "oracle":  # every layer but a step's first, whose experts nothing predicts
+                assert simulated["hit_rate"]["decode"] == (shape.num_layers - 1) / shape.num_layers
+
+
+def test_a_prefetch_left_for_the_next_layer_call_overlaps_its_host_time_with_the_devices_work():
+    """Where queueing a prefetch costs the host more than a decoder layer's launches (a quantized fetch's copies,
+    its slot-id upload and its pass), queueing it at the next layer call's start lets the device run this call's
+    compute and the next layer's attention meanwhile: a shorter decode step on the same bytes."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = cpu_profile(shape)
+    profile["fetch_host_us"] = [{"slots": s, "us": 100.0} for s in (8, 128)]  # an expert's fetch: 0.1 ms of host
+    for row in profile["layer_ms"]:
+        row["decode_ms"], row["decode_device_ms"] = 0.01, 0.4  # replayed layers: quick to launch, long to run
+    results = {graphed: run(Simulator(shape, Costs({**profile, "step_graphs": graphed}), POLICIES["duoserve"], "oracle"),
+                            ((0, p) for p in random_passes(shape, 1, 16, 8))) for graphed in (False, True)}
+    assert results[True]["bytes_h2d"] == results[False]["bytes_h2d"]
+    saved = results[False]["tpot_ms"]["mean"] - results[True]["tpot_ms"]["mean"]
+    # each of the 7 prefetching layers hides up to its k fetches' host time (0.4 ms) behind 0.4 ms of device work
+    assert saved > 0.5 * (shape.num_layers - 1) * shape.top_k * 0.1
+
+
 def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_layer_calls(trained, monkeypatch):
     shape = ModelShape.of("embedded", dtype="float32")
     sim = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], str(trained))

@@ -207,6 +207,9 @@ class Simulator:
                                          deployed, next_gate, self.timers or NullTimers())
         for store in stores:
             store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
+        # the engine's decode layers replayed from step graphs, as the profile's layer costs were measured: it then
+        # leaves each decode prefetch to the next layer call (``ExpertScheduler.defer_prefetch``)
+        self.scheduler.defer_prefetch = bool(costs.profile.get("step_graphs", False))
 
     def _next_gate_of(self, target: int, width: int, with_scores: bool):
         """What the engine's next-gate function gives for ``target``: the replayed pass's B x m ids (and scores)."""
@@ -261,6 +264,7 @@ class Simulator:
         s.launch(wall * dense, device * dense)
         for l, layer_idx in enumerate(layers):  # T x k each
             s.launch(wall, device)
+            sched.queue_deferred()  # where the engine's call starts: before it waits for the routing
             before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
             s.host += routing_ms

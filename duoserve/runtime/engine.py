@@ -71,6 +71,12 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
         if settings.step_graphs and not settings.eager and self.device.type == "cuda":
             self.graph_steps()
 
+    @property
+    def defer_prefetch(self) -> bool:
+        """A decode call replayed from step graphs leaves its prefetch to the next layer call's start (the
+        scheduler's step 4): the host reaches it after a few graph replays, while the device computes."""
+        return self.step_graphs is not None and self.step_graphs.replaying
+
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor
         that reads next-gate features; None for one that does not."""

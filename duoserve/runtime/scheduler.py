@@ -13,10 +13,14 @@ Each MoE layer's call runs, for the experts its router chose:
      pair computed in one call over the cache slots (``experts.py``); any other call: the cached experts at
      once, the rest fetched in pipelined groups (``schedule.py``: the prefill schedule);
   4. decode with a predictor: layer l+d's experts predicted on their own stream while 1-3 run and
-     copied into the cache right away (``prefetch.py``: the decode prefetch plan). A predictor on
-     the host (the benchmarks' oracle) has its copies queued before a one-group call, behind this
-     layer's misses and pair rows, where the cache has room for them beside this layer's experts:
-     at B=1 the copies bound a step.
+     copied into the cache (``prefetch.py``: the decode prefetch plan). Where the next layer call comes
+     quickly (``defer_prefetch``: decoder layers replayed from step graphs), the copies are queued at its
+     start, before it waits for its routing: the device then runs this call's compute and the next
+     layer's attention while the host queues them, where it would otherwise sit idle behind them.
+     Otherwise they are queued within this call: a predictor on the host (the benchmarks' oracle) has
+     them queued before a one-group call, behind this layer's misses and pair rows, where the cache has
+     room for them beside this layer's experts (an eager decoder layer takes the host longer than the
+     copies take, so they start before it); a device predictor after the call's compute.
   5. policies without prediction: ``full-layer`` copies all of layer l+1 ahead; ``duoserve``'s
      prefill copies the cache's worth of layer l+1 ahead when a pass routes so many pairs that nearly
      every expert is needed (the prefill look-ahead).
@@ -69,7 +73,12 @@ class ExpertScheduler:
     ``settings``: the cache budget, look-ahead, pins and prefetch threshold. ``timers``: what times its host
     sections and device stalls (default: ``EngineTimers``; a simulator, which keeps its own clocks, gives
     ``NullTimers``).
+
+    ``defer_prefetch``: whether a decode call's prefetch waits for the next layer call's start (step 4 above); a
+    driver sets it where the host gets from one experts call to the next in little time.
     """
+
+    defer_prefetch = False
 
     def __init__(self, geometry: tuple[int, int, int], stores: list[HostExperts], policy: Policy,
                  settings: EngineSettings, streams: Streams, compute: Callable,
@@ -90,6 +99,7 @@ class ExpertScheduler:
                              f"depth {depth} (duoserve-train fit --lookahead {settings.lookahead})")
         self.policy, self.settings, self.stores, self.streams = policy, settings, stores, streams
         self.phase, self.batch = "prefill", 0
+        self._deferred: tuple | None = None  # (targets, ranked, scores) of a decode prefetch left for the next call
         self.timers = timers or EngineTimers(streams)
         self.cache = ExpertCache(stores[0].layout, self._capacity(), streams)
         if settings.pin:
@@ -126,14 +136,25 @@ class ExpertScheduler:
     def begin_pass(self, phase: str, batch: int) -> None:
         """A forward pass of ``batch`` sequences starts, in ``phase`` (prefill or decode)."""
         self.phase, self.batch = phase, batch
+        self._deferred = None  # a pass cut short leaves nothing for the next one
         if phase == "decode" and self.prefetch is not None:
             self.prefetch.begin_step(batch)
+
+    def queue_deferred(self) -> None:
+        """Queue the decode prefetch the last layer call left for this moment (``defer_prefetch``), if any: called
+        before the next layer call waits for its routing."""
+        if self._deferred is not None:
+            targets, ranked, scores = self._deferred
+            self._deferred = None
+            self.prefetch.copy(targets, ranked or self.prefetch.rank(scores))
 
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor | np.ndarray,
                   weights: torch.Tensor) -> torch.Tensor:
         """T x H output of MoE layer ``l`` for hidden states (T x H) routed to ``idx`` (T x k) with ``weights``; ``idx``
         may be a host array where no predictor on the device reads it (the offload simulator's)."""
         cpu, cache, plan = self.timers.cpu, self.cache, self.prefetch
+        self.queue_deferred()
+        defer = self.defer_prefetch
         with cpu(ROUTING_SECTION):
             routing = Routing(idx, self.E)
         targets = plan.targets(l) if plan is not None and self.phase == "decode" and plan.history is not None \
@@ -153,7 +174,7 @@ class ExpertScheduler:
                                                              self.grouped.stream) if missing else []))
             inputs = self.compute.load_all(hidden, weights, routing, slots)  # before any prefetch: see load_all
             scores = plan.launch(l, hidden, idx, routed, targets) if plan is not None else None
-            if targets and plan.on_host:  # its guesses are on the host already
+            if targets and plan.on_host and not defer:  # its guesses are on the host already
                 ranked = plan.rank(scores)
                 if sum(map(len, ranked)) <= cache.room(keep):
                     # room beside this layer's experts: layer l+1's copies are queued before this layer's compute,
@@ -165,7 +186,9 @@ class ExpertScheduler:
             out = self.grouped.compute_cached(l, hidden, weights, routing, hits)
             scores = plan.launch(l, hidden, idx, routed, targets) if plan is not None else None
             out = self.grouped.fetch_missing(l, hidden, weights, routing, missing, self.phase, out)
-        if targets and not prefetched:  # after this layer's work is queued, free to refill its slots
+        if targets and defer:
+            self._deferred = (targets, ranked, scores)
+        elif targets and not prefetched:  # after this layer's work is queued, free to refill its slots
             plan.copy(targets, ranked or plan.rank(scores))
         elif self.policy.prefetch_layer:
             with cpu("queue prefetch"):

@@ -81,7 +81,8 @@ class StepGraphs:
     experts calls, which ``experts`` runs; ``active()`` says whether the forward under way is a decode step.
 
     ``experts_call`` is what the model's experts interface must call (it splits the graph being captured). The
-    counters ``captured`` (layer calls captured) and ``replayed`` (layer calls replayed) say what ran graphed.
+    counters ``captured`` (layer calls captured) and ``replayed`` (layer calls replayed) say what ran graphed, and
+    ``replaying`` whether the layer call under way is a replay.
     """
 
     def __init__(self, layers: nn.ModuleList, experts: Experts, active: Callable[[], bool],
@@ -89,6 +90,7 @@ class StepGraphs:
         self.layers, self.experts, self.active = layers, experts, active
         self.device = torch.device(device)
         self.captured = self.replayed = 0
+        self.replaying = False
 
     def __enter__(self):
         self._pool = self._stream = None  # made at the first capture
@@ -215,9 +217,13 @@ class StepGraphs:
                 continue
             static.copy_(x)
             self._source[id(static)] = x
-        for piece, (module, hidden, idx, weights, out) in zip(graphed.pieces, graphed.calls):
-            piece.replay()
-            out.copy_(self.experts(module, hidden, idx, weights))
+        self.replaying = True
+        try:
+            for piece, (module, hidden, idx, weights, out) in zip(graphed.pieces, graphed.calls):
+                piece.replay()
+                out.copy_(self.experts(module, hidden, idx, weights))
+        finally:
+            self.replaying = False
         graphed.pieces[-1].replay()
         self.replayed += 1
         return graphed.output
