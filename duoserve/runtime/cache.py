@@ -137,14 +137,15 @@ class ExpertCache:
         then in slot order, unranked."""
         if self._heap is None:
             skip = keep | self.pinned if self.pinned else keep
-            allowed = [s for s, key in enumerate(self.key) if key not in skip]
-            if len(allowed) < count:
+            wanted, used = self.wanted, self.used
+            # (wanted, used, slot) of each slot it may take: tuples compare in C, where a sort key is a call a slot
+            ranked = [(-1.0, -1, s) if key is None else (wanted[s], used[s], s)
+                      for s, key in enumerate(self.key) if key not in skip]
+            if len(ranked) < count:
                 raise self._full(count, keep)
-            if len(allowed) == count:  # every slot it may take: no ranking
-                return allowed
-            key, wanted, used = self.key, self.wanted, self.used
-            ranked = sorted(allowed, key=lambda s: (-1.0, -1, s) if key[s] is None else (wanted[s], used[s], s))
-            return ranked[:count]
+            if len(ranked) > count:  # else every slot it may take: no ranking
+                ranked.sort()
+            return [rank[2] for rank in ranked[:count]]
         chosen, held = [], []
         while len(chosen) < count and self._heap:
             entry = heapq.heappop(self._heap)
