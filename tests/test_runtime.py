@@ -977,14 +977,14 @@ def test_trained_predictor_with_graphed_decode_calls_generates_what_eager_calls_
 
 
 def _static_generations(model, tokenizer, device, settings: EngineSettings, oracle: bool, rounds: int = 2,
-                        new_tokens: int = 10):
+                        new_tokens: int = 10, predictor=None):
     """Sequences of ``rounds`` generations of exactly ``new_tokens`` under duoserve (with ``oracle``: oracle:1 on
-    random routing, else the model's routers and no predictor) on one reused static KV cache, and the engine's stats;
-    the model is restored after."""
+    random routing, else the model's routers and ``predictor``, if any) on one reused static KV cache, and the
+    engine's stats; the model is restored after."""
     policy = POLICIES["duoserve"]
     g = moe_geometry(model, find_moe_layers(model))
     routing = RandomRouting(g.num_layers, g.num_experts, g.top_k, seed=0, device=device) if oracle else None
-    predictor = OraclePredictor(routing, g.num_layers, g.num_experts, 1.0) if oracle else None
+    predictor = OraclePredictor(routing, g.num_layers, g.num_experts, 1.0) if oracle else predictor
     batch = tokenizer(PROMPTS, return_tensors="pt", padding=True).to(device)
     cache = kv_cache(model, batch.input_ids.shape[1] + new_tokens)
     stores = offload(model, policy, device)
@@ -995,6 +995,22 @@ def _static_generations(model, tokenizer, device, settings: EngineSettings, orac
             return tokens, engine.stats()
     finally:
         put_experts(find_moe_layers(model), stores, "cpu")
+
+
+@pytest.mark.gpu
+@needs_graphs
+def test_a_device_predictors_prefetch_from_replayed_steps_generates_what_eager_steps_do(embedded):
+    """Replayed decode layers leave each prefetch to the next layer call's start, which then reads the predictor's
+    guesses from its pinned buffers: the tokens must not notice, and the same experts are copied ahead."""
+    model, tokenizer = copy.deepcopy(embedded[0]).to(torch.bfloat16), embedded[1]
+    predictor = _random_predictor(model)
+    runs = {graphs: _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=graphs), oracle=False,
+                                        predictor=predictor) for graphs in (False, True)}
+    (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
+    assert graphed_stats["graphed_layer_calls"] > 0 == eager_stats["graphed_layer_calls"]
+    for e, g in zip(eager, graphed):
+        assert torch.equal(e, g)
+    assert graphed_stats["prefetched"] == eager_stats["prefetched"] > 0
 
 
 def test_generations_on_a_reused_static_cache_equal_the_models_own(embedded):
