@@ -1000,12 +1000,14 @@ def _static_generations(model, tokenizer, device, settings: EngineSettings, orac
 @pytest.mark.gpu
 @needs_graphs
 def test_a_device_predictors_prefetch_from_replayed_steps_generates_what_eager_steps_do(embedded):
-    """Replayed decode layers leave each prefetch to the next layer call's start, which then reads the predictor's
-    guesses from its pinned buffers: the tokens must not notice, and the same experts are copied ahead."""
+    """Replayed decode layers asked to leave each prefetch to the next layer call's start (``defer_prefetch``) read
+    the predictor's guesses from its pinned buffers there: the tokens must not notice, and the same experts are
+    copied ahead."""
     model, tokenizer = copy.deepcopy(embedded[0]).to(torch.bfloat16), embedded[1]
     predictor = _random_predictor(model)
-    runs = {graphs: _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=graphs), oracle=False,
-                                        predictor=predictor) for graphs in (False, True)}
+    runs = {graphs: _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=graphs,
+                                                                                 defer_prefetch=True),
+                                        oracle=False, predictor=predictor) for graphs in (False, True)}
     (eager, eager_stats), (graphed, graphed_stats) = runs[False], runs[True]
     assert graphed_stats["graphed_layer_calls"] > 0 == eager_stats["graphed_layer_calls"]
     for e, g in zip(eager, graphed):

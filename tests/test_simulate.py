@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -128,8 +129,9 @@ def test_simulator_counts_equal_the_engines_on_the_same_routing_and_predictor(em
 @pytest.mark.parametrize("batch", [1, 3])
 def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_engine_and_simulator(
         embedded, trained, batch, monkeypatch):
-    """Decode layers replayed from step graphs leave each prefetch to the next layer call's start (on a GPU; forced
-    here on the CPU stand-in), and a profile measured with step graphs makes the simulator do the same: their counts
+    """Settings that ask for it make decode layers replayed from step graphs leave each prefetch to the next layer
+    call's start (on a GPU; forced here on the CPU stand-in), and the simulator do the same on a profile measured
+    with step graphs: their counts
     stay equal, every predicted expert is still copied before its layer's routing is looked up (an oracle that is
     always right finds each decode layer's experts cached at B=1, but for a step's first), and as many are copied
     as when they are queued within the call."""
@@ -137,10 +139,10 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
     shape = ModelShape.of("embedded", dtype="float32")
     graphed = Costs({**cpu_profile(shape), "step_graphs": True})
     slots = 3 * shape.top_k + 2
-    budgeted = EngineSettings(gpu_expert_budget=slots * shape.layout.nbytes, pin=((0, 0), (1, 3)))
-    cases = [("oracle", EngineSettings(), "model"), ("oracle:0.5", budgeted, "model"),
-             ("trained", EngineSettings(), "model"), ("oracle:0.9", EngineSettings(lookahead=2), "model"),
-             ("oracle:0.5", EngineSettings(), "fp8")]
+    budgeted = EngineSettings(gpu_expert_budget=slots * shape.layout.nbytes, pin=((0, 0), (1, 3)), defer_prefetch=True)
+    deferred = EngineSettings(defer_prefetch=True)
+    cases = [("oracle", deferred, "model"), ("oracle:0.5", budgeted, "model"), ("trained", deferred, "model"),
+             ("oracle:0.9", EngineSettings(lookahead=2, defer_prefetch=True), "model"), ("oracle:0.5", deferred, "fp8")]
     policy = POLICIES["duoserve"]
     within = {}
     for predictor, settings, fmt in cases:
@@ -148,7 +150,9 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
         sim = Simulator(shape, graphed, policy, spec, settings, expert_dtype=fmt)
         assert sim.scheduler.defer_prefetch
         simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
-        within[predictor, fmt] = run(Simulator(shape, Costs(cpu_profile(shape)), policy, spec, settings,
+        # within the call: the profile of eager layers, or the settings' default
+        assert not Simulator(shape, Costs(cpu_profile(shape)), policy, spec, settings).scheduler.defer_prefetch
+        within[predictor, fmt] = run(Simulator(shape, graphed, policy, spec, replace(settings, defer_prefetch=False),
                                                expert_dtype=fmt), ((0, p) for p in random_passes(shape, batch, 7, 6)))
         with monkeypatch.context() as m:
             m.setattr(OffloadEngine, "defer_prefetch", True)  # what replayed step graphs make it
@@ -171,8 +175,9 @@ def test_a_prefetch_left_for_the_next_layer_call_overlaps_its_host_time_with_the
     profile["fetch_host_us"] = [{"slots": s, "us": 100.0} for s in (8, 128)]  # an expert's fetch: 0.1 ms of host
     for row in profile["layer_ms"]:
         row["decode_ms"], row["decode_device_ms"] = 0.01, 0.4  # replayed layers: quick to launch, long to run
-    results = {graphed: run(Simulator(shape, Costs({**profile, "step_graphs": graphed}), POLICIES["duoserve"], "oracle"),
-                            ((0, p) for p in random_passes(shape, 1, 16, 8))) for graphed in (False, True)}
+    costs = Costs({**profile, "step_graphs": True})
+    results = {defer: run(Simulator(shape, costs, POLICIES["duoserve"], "oracle", EngineSettings(defer_prefetch=defer)),
+                          ((0, p) for p in random_passes(shape, 1, 16, 8))) for defer in (False, True)}
     assert results[True]["bytes_h2d"] == results[False]["bytes_h2d"]
     saved = results[False]["tpot_ms"]["mean"] - results[True]["tpot_ms"]["mean"]
     # each of the 7 prefetching layers hides up to its k fetches' host time (0.4 ms) behind 0.4 ms of device work

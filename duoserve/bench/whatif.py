@@ -38,6 +38,7 @@ class SimulateSettings:
     gpu_expert_budget: int | None = None
     pin: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys kept resident (the grid's points; not the sweeps')
     lookahead: int = 1
+    defer_prefetch: bool = False  # each decode prefetch left to the next layer call (on a step-graphed profile)
     expert_dtype: str = "model"
     requests: int | None = None  # the trace's first N requests (random routing: N generations, default 4)
     prompt_len: int = 512
@@ -82,7 +83,8 @@ class Study:
         sweep = budget is not None or lookahead is not None
         pin = self.s.pin if not sweep and get_policy(policy).reuse and not get_policy(policy).prefetch_layer else ()
         settings = EngineSettings(gpu_expert_budget=budget if budget is not None else self.s.gpu_expert_budget,
-                                  lookahead=lookahead or self.s.lookahead, pin=pin)
+                                  lookahead=lookahead or self.s.lookahead, pin=pin,
+                                  defer_prefetch=self.s.defer_prefetch)
         predictor = predictor if get_policy(policy).predict else None
         key = (policy, predictor, batch, settings)
         if key not in self._done:  # a sweep's point may be the grid's (or another sweep's): simulated once
@@ -147,7 +149,7 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
     result = {"model_shape": s.model_shape, "layers": study.shape.num_layers, "profile": s.profile,
               "device": study.profile["device"], "traces": str(s.traces) if s.traces else None,
               # which engine the profile's layer costs describe: decode layers replayed from step graphs, or eager
-              "step_graphs": bool(study.profile.get("step_graphs", False)),
+              "step_graphs": bool(study.profile.get("step_graphs", False)), "defer_prefetch": s.defer_prefetch,
               "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
               "expert_dtype": s.expert_dtype, "host_scale": study.costs.host_scale, "notes": _notes(s, study.profile),
               "rows": rows}

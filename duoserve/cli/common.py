@@ -150,6 +150,9 @@ StepGraphsOption = Annotated[bool, typer.Option(
 MinScoreOption = Annotated[float, typer.Option(
     help="Decode prefetch (duoserve): copy ahead only predicted experts scored at least this, 0-1 (a trained "
          "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.", min=0.0, max=1.0)]
+DeferPrefetchOption = Annotated[bool, typer.Option(
+    help="With step graphs: queue each decode prefetch at the next layer call's start, while the device computes, "
+         "not within the call (see duoserve/runtime/scheduler.py). Not yet measured on a GPU.")]
 PinOption = Annotated[Optional[str], typer.Option(
     help="popularity:STATS (a duoserve-train stats file): keep the most popular experts resident for the whole run "
          "(duoserve, lru), as many as the GPU expert budget holds beyond (1 + lookahead) x top-k; the rest of the "
@@ -173,7 +176,9 @@ def pin_keys(spec: Optional[str]) -> tuple[tuple[int, int], ...]:
 
 
 def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_score: float,
-                    pin: Optional[str] = None, step_graphs: bool = ENGINE.step_graphs) -> EngineSettings:
+                    pin: Optional[str] = None, step_graphs: bool = ENGINE.step_graphs,
+                    defer_prefetch: bool = ENGINE.defer_prefetch) -> EngineSettings:
     """The engine options of a command as one settings object."""
     return EngineSettings(gpu_expert_budget=parse_bytes(budget) if budget else None, lookahead=lookahead,
-                          eager=eager, step_graphs=step_graphs, prefetch_min_score=min_score, pin=pin_keys(pin))
+                          eager=eager, step_graphs=step_graphs, prefetch_min_score=min_score, pin=pin_keys(pin),
+                          defer_prefetch=defer_prefetch)

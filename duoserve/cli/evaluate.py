@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import (BudgetOption, PinOption, console, gb, int_list, new_app, num, pin_keys, progress,
-                                 table, user_errors)
+from duoserve.cli.common import (BudgetOption, DeferPrefetchOption, PinOption, console, gb, int_list, new_app, num,
+                                 pin_keys, progress, table, user_errors)
 from duoserve.evaluate.accuracy import BASELINES
 from duoserve.files import check_output
 
@@ -170,6 +170,7 @@ def simulate(
     gpu_expert_budget: BudgetOption = None,
     pin: PinOption = None,
     lookahead: Annotated[int, typer.Option(min=1, help="Decode prefetch depth d (layers ahead).")] = 1,
+    defer_prefetch: DeferPrefetchOption = False,
     expert_dtype: Annotated[str, typer.Option(help="Host experts stored as model, fp8 or int4.")] = "model",
     layers: Annotated[Optional[int], typer.Option(min=2, help="Keep this many decoder layers of the shape.")] = None,
     dtype: Annotated[str, typer.Option(help="The model's dtype (the profile's: bfloat16 on a GPU).")] = "bfloat16",
@@ -197,7 +198,8 @@ def simulate(
                              policies=policy or ["duoserve", "on-demand", "lru"],
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
                              gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
-                             pin=pin_keys(pin), lookahead=lookahead, expert_dtype=expert_dtype, requests=requests,
+                             pin=pin_keys(pin), lookahead=lookahead, defer_prefetch=defer_prefetch,
+                             expert_dtype=expert_dtype, requests=requests,
                              prompt_len=prompt_len, new_tokens=new_tokens, host_op_us=host_op_us)
         with progress("simulating") as update:
             result = run_simulation(s, out if charts else None,

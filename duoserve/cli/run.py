@@ -11,6 +11,7 @@ import typer
 from duoserve.cli.common import (
     ENGINE,
     BudgetOption,
+    DeferPrefetchOption,
     DtypeOption,
     EagerOption,
     LookaheadOption,
@@ -61,6 +62,7 @@ def generate(
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     step_graphs: StepGraphsOption = ENGINE.step_graphs,
+    defer_prefetch: DeferPrefetchOption = ENGINE.defer_prefetch,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     pin: PinOption = None,
     expert_dtype: Annotated[str, typer.Option(help=ExpertDtypeHelp + " auto: fp8 for a block-wise FP8 checkpoint "
@@ -77,7 +79,8 @@ def generate(
     with user_errors():
         if out:
             check_output(out)
-        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin, step_graphs)
+        settings = engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin, step_graphs,
+                                   defer_prefetch)
         result = run_generate(model, prompt or default_prompts(), policy, predictor, new_tokens, settings, device,
                               dtype, expert_dtype)
     for p, text in zip(result.prompts, result.texts):
@@ -135,6 +138,7 @@ def bench_cmd(
     lookahead: LookaheadOption = ENGINE.lookahead,
     eager: EagerOption = ENGINE.eager,
     step_graphs: StepGraphsOption = ENGINE.step_graphs,
+    defer_prefetch: DeferPrefetchOption = ENGINE.defer_prefetch,
     prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     pin: PinOption = None,
     expert_dtype: Annotated[Optional[list[str]], typer.Option(
@@ -154,7 +158,7 @@ def bench_cmd(
                           baseline_new_tokens=baseline_new_tokens,
                           routing=routing, predictors=predictor or ["none"], seed=seed, repeats=repeats,
                           engine=engine_settings(gpu_expert_budget, lookahead, eager, prefetch_min_score, pin,
-                                                 step_graphs),
+                                                 step_graphs, defer_prefetch),
                           expert_dtypes=expert_dtype or ["model"])
         with progress("policies", total=s.run_count()) as update:
             def on_run(run: dict, so_far: dict) -> None:  # what was measured survives a stopped bench

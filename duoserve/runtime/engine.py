@@ -73,9 +73,9 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
 
     @property
     def defer_prefetch(self) -> bool:
-        """A decode call replayed from step graphs leaves its prefetch to the next layer call's start (the
-        scheduler's step 4): the host reaches it after a few graph replays, while the device computes."""
-        return self.step_graphs is not None and self.step_graphs.replaying
+        """With ``settings.defer_prefetch``, a decode call replayed from step graphs leaves its prefetch to the next
+        layer call's start (the scheduler's step 4): the host reaches it after a few graph replays."""
+        return self.settings.defer_prefetch and self.step_graphs is not None and self.step_graphs.replaying
 
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor

@@ -35,6 +35,10 @@ class EngineSettings:
     are probabilities); 0 copies every expert of each token's predicted top k. A wrong guess costs a whole copy.
     ``pin``: (layer, expert) keys to keep resident for the whole run, best first (``cache.popular_keys``): as many
     as the budget holds beyond the (1 + lookahead) x k slots the cache needs for its own work; needs a budget.
+    ``defer_prefetch``: where a decode step's layers replay from step graphs, queue each decode prefetch at the next
+    layer call's start, before it waits for its routing, not within the call: the host then queues the copies while
+    the device runs this call's compute and the next layer's attention (``scheduler.py``, step 4). Off by default:
+    not yet measured on a GPU, and the simulator, on the shipped profiles, expects it to gain nothing there.
     """
 
     gpu_expert_budget: int | None = None
@@ -43,6 +47,7 @@ class EngineSettings:
     step_graphs: bool = True
     prefetch_min_score: float = 0.0
     pin: tuple[tuple[int, int], ...] = ()
+    defer_prefetch: bool = False
 
     def __post_init__(self):
         if self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
