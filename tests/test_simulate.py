@@ -150,7 +150,7 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
         sim = Simulator(shape, graphed, policy, spec, settings, expert_dtype=fmt)
         assert sim.scheduler.defer_prefetch
         simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
-        # within the call: the profile of eager layers, or the settings' default
+        # within the call: on a profile of eager layers, or where the settings say so
         assert not Simulator(shape, Costs(cpu_profile(shape)), policy, spec, settings).scheduler.defer_prefetch
         within[predictor, fmt] = run(Simulator(shape, graphed, policy, spec, replace(settings, defer_prefetch=False),
                                                expert_dtype=fmt), ((0, p) for p in random_passes(shape, batch, 7, 6)))

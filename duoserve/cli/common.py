@@ -152,7 +152,7 @@ MinScoreOption = Annotated[float, typer.Option(
          "predictor's scores are probabilities); 0 copies every expert of the predicted top-k.", min=0.0, max=1.0)]
 DeferPrefetchOption = Annotated[bool, typer.Option(
     help="With step graphs: queue each decode prefetch at the next layer call's start, while the device computes, "
-         "not within the call (see duoserve/runtime/scheduler.py). Not yet measured on a GPU.")]
+         "not within the call (see duoserve/runtime/scheduler.py).")]
 PinOption = Annotated[Optional[str], typer.Option(
     help="popularity:STATS (a duoserve-train stats file): keep the most popular experts resident for the whole run "
          "(duoserve, lru), as many as the GPU expert budget holds beyond (1 + lookahead) x top-k; the rest of the "

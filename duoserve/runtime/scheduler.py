@@ -13,14 +13,14 @@ Each MoE layer's call runs, for the experts its router chose:
      pair computed in one call over the cache slots (``experts.py``); any other call: the cached experts at
      once, the rest fetched in pipelined groups (``schedule.py``: the prefill schedule);
   4. decode with a predictor: layer l+d's experts predicted on their own stream while 1-3 run and
-     copied into the cache (``prefetch.py``: the decode prefetch plan). With ``defer_prefetch`` (settings
-     that ask for it, decoder layers replayed from step graphs, so that the next layer call comes quickly),
-     the copies are queued at the next call's start, before it waits for its routing: the device then runs
-     this call's compute and the next layer's attention while the host queues them. Otherwise they are
-     queued within this call: a predictor on the host (the benchmarks' oracle) has
-     them queued before a one-group call, behind this layer's misses and pair rows, where the cache has
-     room for them beside this layer's experts (an eager decoder layer takes the host longer than the
-     copies take, so they start before it); a device predictor after the call's compute.
+     copied into the cache (``prefetch.py``: the decode prefetch plan). With ``defer_prefetch`` (the
+     settings' default) and decoder layers replayed from step graphs, so that the next layer call comes
+     quickly, the copies are queued at the next call's start, before it waits for its routing: the device
+     then runs this call's compute and the next layer's attention while the host queues them. Otherwise
+     they are queued within this call: a predictor on the host (the benchmarks' oracle) has them queued
+     before a one-group call, behind this layer's misses and pair rows, where the cache has room for them
+     beside this layer's experts (an eager decoder layer takes the host longer than the copies take, so
+     they start before it); a device predictor after the call's compute.
   5. policies without prediction: ``full-layer`` copies all of layer l+1 ahead; ``duoserve``'s
      prefill copies the cache's worth of layer l+1 ahead when a pass routes so many pairs that nearly
      every expert is needed (the prefill look-ahead).
