@@ -38,7 +38,7 @@ class SimulateSettings:
     gpu_expert_budget: int | None = None
     pin: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys kept resident (the grid's points; not the sweeps')
     lookahead: int = 1
-    defer_prefetch: bool = True  # each decode prefetch left to the next layer call (on a step-graphed profile)
+    defer_prefetch: bool = EngineSettings.defer_prefetch  # decode prefetches left to the next layer call (step graphs)
     expert_dtype: str = "model"
     requests: int | None = None  # the trace's first N requests (random routing: N generations, default 4)
     prompt_len: int = 512

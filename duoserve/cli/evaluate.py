@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import (BudgetOption, DeferPrefetchOption, PinOption, console, gb, int_list, new_app, num,
-                                 pin_keys, progress, table, user_errors)
+from duoserve.cli.common import (ENGINE, BudgetOption, DeferPrefetchOption, PinOption, console, gb, int_list, new_app,
+                                 num, pin_keys, progress, table, user_errors)
 from duoserve.evaluate.accuracy import BASELINES
 from duoserve.files import check_output
 
@@ -170,7 +170,7 @@ def simulate(
     gpu_expert_budget: BudgetOption = None,
     pin: PinOption = None,
     lookahead: Annotated[int, typer.Option(min=1, help="Decode prefetch depth d (layers ahead).")] = 1,
-    defer_prefetch: DeferPrefetchOption = True,
+    defer_prefetch: DeferPrefetchOption = ENGINE.defer_prefetch,
     expert_dtype: Annotated[str, typer.Option(help="Host experts stored as model, fp8 or int4.")] = "model",
     layers: Annotated[Optional[int], typer.Option(min=2, help="Keep this many decoder layers of the shape.")] = None,
     dtype: Annotated[str, typer.Option(help="The model's dtype (the profile's: bfloat16 on a GPU).")] = "bfloat16",

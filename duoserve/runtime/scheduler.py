@@ -99,7 +99,7 @@ class ExpertScheduler:
                              f"depth {depth} (duoserve-train fit --lookahead {settings.lookahead})")
         self.policy, self.settings, self.stores, self.streams = policy, settings, stores, streams
         self.phase, self.batch = "prefill", 0
-        self._deferred: tuple | None = None  # (targets, ranked, scores) of a decode prefetch left for the next call
+        self._deferred: tuple | None = None  # (targets, scores) of a decode prefetch left for the next call
         self.timers = timers or EngineTimers(streams)
         self.cache = ExpertCache(stores[0].layout, self._capacity(), streams)
         if settings.pin:
@@ -144,9 +144,9 @@ class ExpertScheduler:
         """Queue the decode prefetch the last layer call left for this moment (``defer_prefetch``), if any: called
         before the next layer call waits for its routing."""
         if self._deferred is not None:
-            targets, ranked, scores = self._deferred
+            targets, scores = self._deferred
             self._deferred = None
-            self.prefetch.copy(targets, ranked or self.prefetch.rank(scores))
+            self.prefetch.copy(targets, self.prefetch.rank(scores))
 
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor | np.ndarray,
                   weights: torch.Tensor) -> torch.Tensor:
@@ -187,7 +187,7 @@ class ExpertScheduler:
             scores = plan.launch(l, hidden, idx, routed, targets) if plan is not None else None
             out = self.grouped.fetch_missing(l, hidden, weights, routing, missing, self.phase, out)
         if targets and defer:
-            self._deferred = (targets, ranked, scores)
+            self._deferred = (targets, scores)
         elif targets and not prefetched:  # after this layer's work is queued, free to refill its slots
             plan.copy(targets, ranked or plan.rank(scores))
         elif self.policy.prefetch_layer:
