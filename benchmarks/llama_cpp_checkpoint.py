@@ -3,10 +3,11 @@
 llama.cpp's ``convert_hf_to_gguf.py`` needs a tokenizer beside the weights; the bench's shapes have none (no hub
 here). This trains a SentencePiece model on generated words (the converter pads its vocabulary to the config's
 ``vocab_size`` with unused tokens), so the GGUF has the model's real shapes and a working, meaningless vocabulary.
-Only Llama-family shapes (Mixtral) go through the converter's SentencePiece path; Qwen3-MoE's converter checks the
-tokenizer against known BPE pre-tokenizers, which a generated tokenizer cannot match.
+Llama-family shapes (Mixtral) go through the converter's SentencePiece path as they are; Qwen3-MoE's converter reads
+its vocabulary as BPE and checks it against known pre-tokenizers, so convert through ``llama_cpp_convert.py``, which
+has it read the generated tokenizer as SentencePiece.
 
-    python benchmarks/llama_cpp_checkpoint.py mixtral-8x7b OUT_DIR --layers 4 [--device cuda]
+    python benchmarks/llama_cpp_checkpoint.py mixtral-8x7b|qwen3-30b-a3b OUT_DIR --layers 4 [--device cuda]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# llama.cpp beside duoserve on the H200, same shapes: Mixtral-8x7B's config with random bf16 weights, LAYERS decoder
-# layers (default 4, as runtime_mixtral-8x7b_h200.json), prompt 512, B = 1 and 8.
+# llama.cpp beside duoserve on the H200, same shapes: MODEL's config (mixtral-8x7b, the default, or qwen3-30b-a3b) with
+# random bf16 weights, LAYERS decoder layers (default 4, as runtime_mixtral-8x7b_h200.json), prompt 512, B = 1 and 8.
 #
 # Source: llama.cpp as vendored in the PyPI sdist of llama-cpp-python 0.3.36 (vendor/llama.cpp, commit
 # 0c1e57098bba43ac29e6e3b677cdceebdd22334f), packed without models/, docs/, media/, tests/, benches/ and the server
@@ -10,17 +10,20 @@
 #       --exclude=llama.cpp/docs --exclude=llama.cpp/media --exclude=llama.cpp/tools/server \
 #       --exclude=llama.cpp/tools/ui --exclude=llama.cpp/tests --exclude=llama.cpp/benches llama.cpp
 # Steps: build llama-batched-bench with CUDA for sm_90; write the random checkpoint with a generated SentencePiece
-# tokenizer (llama_cpp_checkpoint.py); convert it with llama.cpp's own convert_hf_to_gguf.py (bf16); run
+# tokenizer (llama_cpp_checkpoint.py); convert it with llama.cpp's own convert_hf_to_gguf.py (bf16; through
+# llama_cpp_convert.py, which reads the generated tokenizer as SentencePiece for every architecture); run
 # llama-batched-bench with every layer on the GPU and (a) the experts of all layers on the CPU (--n-cpu-moe LAYERS,
 # llama.cpp's offload for MoE models too large for the GPU) and (b) everything on the GPU; then duoserve's bench on
 # the same shape (duoserve, cpu-experts, on-demand, all-resident, all-resident-compiled). Results:
-#   $OUT/llama_cpp_mixtral-8x7b_h200.json (llama.cpp's jsonl rows, parsed) and $OUT/runtime_vs_llama_cpp_h200.json.
+#   $OUT/llama_cpp_<MODEL>_h200.json (llama.cpp's jsonl rows, parsed) and $OUT/runtime_vs_llama_cpp_h200.json (Mixtral;
+#   runtime_vs_llama_cpp_qwen3-30b-a3b_h200.json for Qwen).
 # DUOSERVE=0 stops after llama.cpp (the build takes minutes of a 10-minute call).
 # The model's own routers run in llama.cpp (random weights make them degenerate: a few experts take every token),
 # uniform random routing in duoserve's bench; at B=1 each token computes k experts either way.
 set -euo pipefail
 OUT=${OUT:-benchmarks/results}
 LLAMA_SRC=${LLAMA_SRC:-.carry/llama.cpp.tar.gz}
+MODEL=${MODEL:-mixtral-8x7b}
 LAYERS=${LAYERS:-4}
 PROMPT=${PROMPT:-512}
 NEW=${NEW:-32}
@@ -35,32 +38,38 @@ if [ ! -x "$WORK/build/bin/llama-batched-bench" ]; then
     cmake --build "$WORK/build" -j "$(nproc)" --target llama-batched-bench > "$OUT/llama_cpp_build.log" 2>&1
     echo "llama.cpp built in $(( $(date +%s) - start )) s"
 fi
-if [ ! -f "$WORK/mixtral.gguf" ]; then
-    python3 benchmarks/llama_cpp_checkpoint.py mixtral-8x7b "$WORK/ckpt" --layers "$LAYERS" --device cuda
-    PYTHONPATH="$WORK/llama.cpp/gguf-py:${PYTHONPATH:-}" python3 "$WORK/llama.cpp/convert_hf_to_gguf.py" \
-        "$WORK/ckpt" --outtype bf16 --outfile "$WORK/mixtral.gguf" > "$OUT/llama_cpp_convert.log" 2>&1
+case $MODEL in
+    mixtral-8x7b) cache=(--gpu-expert-budget 705MB); vs="$OUT/runtime_vs_llama_cpp_h200.json" ;;  # a 2-expert cache
+    qwen3-30b-a3b) cache=(); vs="$OUT/runtime_vs_llama_cpp_${MODEL}_h200.json" ;;
+    *) echo "unknown MODEL $MODEL" >&2; exit 2 ;;
+esac
+gguf="$WORK/$MODEL-$LAYERS.gguf"
+if [ ! -f "$gguf" ]; then
+    python3 benchmarks/llama_cpp_checkpoint.py "$MODEL" "$WORK/ckpt" --layers "$LAYERS" --device cuda
+    python3 benchmarks/llama_cpp_convert.py "$WORK/llama.cpp" "$WORK/ckpt" --outtype bf16 --outfile "$gguf" \
+        > "$OUT/llama_cpp_convert.log" 2>&1
     rm -rf "$WORK/ckpt"
 fi
 ctx=$(( (PROMPT + NEW) * 8 ))
 run() {  # $1: placement name, rest: llama.cpp placement flags
     local name=$1; shift
-    "$WORK/build/bin/llama-batched-bench" -m "$WORK/mixtral.gguf" -ngl 99 "$@" -c "$ctx" -b 2048 -ub 512 \
+    "$WORK/build/bin/llama-batched-bench" -m "$gguf" -ngl 99 "$@" -c "$ctx" -b 2048 -ub 512 \
         -npp "$PROMPT" -ntg "$NEW" -npl 1,8 --output-format jsonl 2> "$OUT/llama_cpp_$name.log" \
         | sed -n "s/^{/{\"placement\": \"$name\", /p"
 }
 { run cpu-moe --n-cpu-moe "$LAYERS"; run all-gpu; } > "$WORK/rows.jsonl"
-python3 - "$WORK/rows.jsonl" "$OUT/llama_cpp_mixtral-8x7b_h200.json" "$LAYERS" "$0" <<'PY'
+python3 - "$WORK/rows.jsonl" "$OUT/llama_cpp_${MODEL}_h200.json" "$LAYERS" "$MODEL" "$0" <<'PY'
 import json, sys
 from pathlib import Path
 from duoserve.bench.results import write_result
 rows = [json.loads(line) for line in open(sys.argv[1])]
-out, layers = Path(sys.argv[2]), int(sys.argv[3])
-sys.argv = sys.argv[4:]  # the provenance's command: this script
+out, layers, model = Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+sys.argv = sys.argv[5:]  # the provenance's command: this script
 runs = [{"placement": r["placement"], "batch_size": r["pl"], "prompt_len": r["pp"], "new_tokens": r["tg"],
          "ttft_s": r["t_pp"], "tpot_ms": r["t_tg"] / r["tg"] * 1e3, "raw": r} for r in rows]
 write_result(out, {"peer": "llama.cpp llama-batched-bench (CUDA, sm_90), bf16 GGUF from convert_hf_to_gguf.py",
                            "source": "llama-cpp-python 0.3.36 sdist, vendor/llama.cpp 0c1e570",
-                           "model": "mixtral-8x7b shape, random weights", "layers": layers,
+                           "model": f"{model} shape, random weights", "layers": layers,
                            "note": "ttft_s = t_pp (prefill of B prompts); tpot_ms = t_tg / new tokens (one step "
                                    "of all B sequences)", "runs": runs})
 for r in runs:
@@ -68,8 +77,8 @@ for r in runs:
 PY
 [ "${DUOSERVE:-1}" = 0 ] && exit  # llama.cpp only (DUOSERVE=0): the duoserve side in another call
 shapes=$(mktemp -d)
-python3 -m duoserve.bench.shapes mixtral-8x7b "$shapes/mixtral-8x7b"
-python3 -m duoserve.cli.run bench --model "$shapes/mixtral-8x7b" --config-only --layers "$LAYERS" --routing random \
+python3 -m duoserve.bench.shapes "$MODEL" "$shapes/$MODEL"
+python3 -m duoserve.cli.run bench --model "$shapes/$MODEL" --config-only --layers "$LAYERS" --routing random \
     --prompt-len "$PROMPT" --new-tokens "$NEW" --baseline-new-tokens 8 --batch-size 1 --batch-size 8 \
-    --gpu-expert-budget 705MB --predictor oracle:1 --policy duoserve --policy cpu-experts --policy on-demand \
-    --policy all-resident --policy all-resident-compiled --out "$OUT/runtime_vs_llama_cpp_h200.json"
+    "${cache[@]}" --predictor oracle:1 --policy duoserve --policy cpu-experts --policy on-demand \
+    --policy all-resident --policy all-resident-compiled --out "$vs"
