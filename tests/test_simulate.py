@@ -131,10 +131,9 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
         embedded, trained, batch, monkeypatch):
     """Settings that ask for it make decode layers replayed from step graphs leave each prefetch to the next layer
     call's start (on a GPU; forced here on the CPU stand-in), and the simulator do the same on a profile measured
-    with step graphs: their counts
-    stay equal, every predicted expert is still copied before its layer's routing is looked up (an oracle that is
-    always right finds each decode layer's experts cached at B=1, but for a step's first), and as many are copied
-    as when they are queued within the call."""
+    with step graphs: their counts stay equal, every predicted expert is still copied before its layer's routing is
+    looked up (an oracle that is always right finds each decode layer's experts cached at B=1, but for a step's
+    first), and as many are copied as when they are queued within the call."""
     model, tokenizer = embedded
     shape = ModelShape.of("embedded", dtype="float32")
     graphed = Costs({**cpu_profile(shape), "step_graphs": True})
@@ -144,24 +143,23 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
     cases = [("oracle", deferred, "model"), ("oracle:0.5", budgeted, "model"), ("trained", deferred, "model"),
              ("oracle:0.9", EngineSettings(lookahead=2, defer_prefetch=True), "model"), ("oracle:0.5", deferred, "fp8")]
     policy = POLICIES["duoserve"]
-    within = {}
+    # within the call: on a profile of eager layers, or where the settings say so
+    assert not Simulator(shape, Costs(cpu_profile(shape)), policy, "oracle", deferred).scheduler.defer_prefetch
     for predictor, settings, fmt in cases:
         spec = str(trained) if predictor == "trained" else predictor
         sim = Simulator(shape, graphed, policy, spec, settings, expert_dtype=fmt)
         assert sim.scheduler.defer_prefetch
         simulated = run(sim, ((0, p) for p in random_passes(shape, batch, 7, 6)))
-        # within the call: on a profile of eager layers, or where the settings say so
-        assert not Simulator(shape, Costs(cpu_profile(shape)), policy, spec, settings).scheduler.defer_prefetch
-        within[predictor, fmt] = run(Simulator(shape, graphed, policy, spec, replace(settings, defer_prefetch=False),
-                                               expert_dtype=fmt), ((0, p) for p in random_passes(shape, batch, 7, 6)))
+        within = run(Simulator(shape, graphed, policy, spec, replace(settings, defer_prefetch=False), expert_dtype=fmt),
+                     ((0, p) for p in random_passes(shape, batch, 7, 6)))
         with monkeypatch.context() as m:
             m.setattr(OffloadEngine, "defer_prefetch", True)  # what replayed step graphs make it
             engine = _engine_counts(model, tokenizer, policy, load_predictor(trained) if predictor == "trained" else
                                     predictor, settings, batch, prompt=7, new=6, expert_dtype=fmt)
         assert {key: simulated[key] for key in COUNTERS} == engine, (predictor, settings, fmt)
         if batch == 1 and settings.gpu_expert_budget is None:
-            assert simulated["prefetched"] == within[predictor, fmt]["prefetched"] > 0
-            assert simulated["hit_rate"] == within[predictor, fmt]["hit_rate"]
+            assert simulated["prefetched"] == within["prefetched"] > 0
+            assert simulated["hit_rate"] == within["hit_rate"]
             if predictor == "oracle":  # every layer but a step's first, whose experts nothing predicts
                 assert simulated["hit_rate"]["decode"] == (shape.num_layers - 1) / shape.num_layers
 

@@ -98,16 +98,18 @@ class SimStore:
         self.row_bytes = stored_nbytes(layout, fmt)
         self.chunk = stage_chunk(layout)  # experts a quantized fetch dequantizes per pass
 
-    def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream, scratch) -> None:
+    def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream,
+                   scratch) -> _Event | None:
         """n experts in r copies (``runs``: a stretch of consecutive experts into consecutive slots is one), each
         queued by the host (``host_ms``) and then run on ``stream`` (``copy`` an expert): in closed form, the last
         ends at max(t0 + n copy, h + host + n copy, h + r host + last copy) for a stream at t0 and the host at h
-        (the latest of the stream's own work, the first copy's queueing and the last one's)."""
+        (the latest of the stream's own work, the first copy's queueing and the last one's). A quantized store
+        returns its last pass's event, as ``QuantizedExperts.copy_group`` does."""
         costs, n = self.costs, len(experts)
         if self.packed is None:  # a blocking copy from pageable memory per parameter, each waited for
             streams.run(stream, n * costs.module_copy_ms, copy=True)
             streams.block(stream)
-            return
+            return None
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
         if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each
             # chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded first: one
@@ -125,7 +127,7 @@ class SimStore:
                 streams.host += host
                 streams.run(streams.dequant, len(chunk) * costs.dequant_ms[self.fmt])
                 staging["read"][staging["next"]] = streams.record(streams.dequant)
-            return
+            return staging["read"][staging["next"]]
         spans = runs(experts, slots)
         h = streams.host
         streams.host = h + len(spans) * host

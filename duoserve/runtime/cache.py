@@ -72,6 +72,7 @@ class ExpertCache:
         self._heap = [(-1.0, -1, s, 0) for s in range(slots)] if slots > HEAP_SLOTS else None
         self.pinned: set[Key] = set()  # keys whose slots are never refilled
         self._dequantizing = False  # the last fetch's store finishes its copies on the dequant stream
+        self._dequantized = None  # then: the event its last dequantization pass recorded
         self.scratch: dict = {}  # device staging of quantized stores, shared by all layers (``quant.py``)
         self.stats = CacheStats()
         self._wanted_for: dict[int, set[int]] = {}  # layer -> experts given a score for it before its router ran
@@ -186,7 +187,7 @@ class ExpertCache:
             slot_of[new] = s
             used[s], scores[s] = self.clock, score
         self._touch(slots)
-        store.copy_group(experts, slots, self.rows, self.streams, stream, self.scratch)
+        self._dequantized = store.copy_group(experts, slots, self.rows, self.streams, stream, self.scratch)
         if phase is not None:
             self.stats.copies[phase] += len(slots)
             self.stats.bytes[phase] += len(slots) * store.row_bytes
@@ -198,9 +199,10 @@ class ExpertCache:
         """Mark ``slots`` ready once the work queued so far on ``stream`` (their copies, and ``more`` the caller
         queued after them) has run, and the dequantization of what the last fetch copied, if its store is quantized
         (which waited for its copies already: with nothing more, only its end is marked)."""
-        if self._dequantizing:
-            if more:
-                self.streams.wait(self.streams.dequant, self.streams.record(stream or self.streams.copy))
+        if self._dequantizing and not more:
+            ready = self._dequantized  # recorded by the last pass: a decode step is short of host time
+        elif self._dequantizing:
+            self.streams.wait(self.streams.dequant, self.streams.record(stream or self.streams.copy))
             ready = self.streams.record(self.streams.dequant)
         else:
             ready = self.streams.record(stream or self.streams.copy)

@@ -234,13 +234,14 @@ class QuantizedExperts(HostExperts):
         return scratch[key]
 
     def copy_group(self, experts: list[int], slots: list[int], rows: Rows, streams: Streams, stream,
-                   scratch: dict) -> None:
+                   scratch: dict):
         """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
         dequantization into cache ``slots`` (``rows``: the cache's S x P rows), a pass per chunk of experts, each
-        copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's device buffers for it."""
+        copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's device buffers for it. Returns
+        the event after the last pass (the slots' ready event, ``ExpertCache.seal``)."""
         stage = self._stage(rows.table, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
-        step = max(self.chunk, 1)
+        step, done = max(self.chunk, 1), None
         for i in range(0, len(experts), step):
             chunk, targets = experts[i:i + step], slots[i:i + step]
             n, b = len(chunk), stage.flip()
@@ -250,6 +251,8 @@ class QuantizedExperts(HostExperts):
             streams.wait(work, streams.record(stream))
             with streams.on(work):
                 stage.dequantize(b, targets, streams, work)
+            done = stage.read[b]
+        return done
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""

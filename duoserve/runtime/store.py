@@ -131,15 +131,17 @@ class HostExperts:
         """Queue the copies of ``experts`` into cache ``slots`` (``rows``: the cache's S x P rows) on ``stream``:
         packed and pinned, one asynchronous copy per stretch of consecutive experts into consecutive slots
         (``runs``); per module, one blocking copy per parameter and expert. ``scratch``: the cache's buffers for
-        stores that stage their copies."""
+        stores that stage their copies. A store that dequantizes returns the event its last pass recorded on the
+        dequant stream (``ExpertCache.seal`` marks the slots ready with it); this one, None."""
         if self.packed is not None:
             for e, s, n in runs(experts, slots):
                 streams.copy_to_device(rows.span(s, n), self.rows.span(e, n), stream)
-            return
+            return None
         with streams.on(stream):
             for e, s in zip(experts, slots):
                 for name, view in self.layout.views(rows.span(s)[None]).items():
                     view[0].copy_(self.modules[name][e])
+        return None
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""
