@@ -1133,6 +1133,11 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     for i, row in enumerate(by_tokens):
         assert row["us"] == pytest.approx(statistics.median(r["group_by_tokens"][i]["us"] for r in rounds))
     assert profile["fetch_host_us"][0]["us"] == pytest.approx(statistics.median(r["fetch"][0]["us"] for r in rounds))
+    # a quantized fetch's passes: the CPU dequantizes eagerly, all of it host time beyond the plain copies
+    assert set(profile["dequant_host_us"]) == {"fp8", "int4"}
+    for fmt, us in profile["dequant_host_us"].items():
+        assert us > 0 and us == pytest.approx(statistics.median(r["dequant_host"][fmt] for r in rounds))
+        assert Costs(profile).dequant_host_ms[fmt] == pytest.approx(us / 1e3 * Costs(profile).host_scale)
     assert profile["module_copy_ms"] == pytest.approx(statistics.median(r["module"] for r in rounds))
     assert [r["launch_host_ms"] * 1e3 for r in profile["predictor_ms"]] == pytest.approx(
         [statistics.median(r["launch"][str(B)] for r in rounds) for B in (1, 2)])
@@ -1141,6 +1146,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert alone["call_host_us"] == rounds[1]["call"] and alone["fetch_host_us"] == rounds[1]["fetch"]
     assert (alone["group_host_us"], alone["module_copy_ms"]) == (rounds[1]["group"], rounds[1]["module"])
     assert alone["group_host_by_tokens"] == rounds[1]["group_by_tokens"]
+    assert alone["dequant_host_us"] == rounds[1]["dequant_host"]
     assert [r["launch_host_ms"] * 1e3 for r in alone["predictor_ms"]] == pytest.approx(
         [rounds[1]["launch"][str(B)] for B in (1, 2)])
     assert alone["copy"] == profile["copy"] and alone["layer_ms"] == profile["layer_ms"]
@@ -1190,7 +1196,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6 or 7"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6, 7 or 8"):
         load_profile(tmp_path / "old.json")
 
 

@@ -466,18 +466,20 @@ def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
     """Version 2 timed one expert dequantized eagerly, and versions before 7 the eager pass (quantized stores
     overstated); before version 4 a call's host time has no routing part (policies that wait for their misses
     overstated); before version 6 a prefill group's host cost was timed at E/k tokens only (long prefills
-    understated): each simulation says what applies to it."""
+    understated); before version 8 a quantized fetch's dequantization passes cost the host one copy's queueing
+    (quantized decode understated): each simulation says what applies to it."""
     from duoserve.bench.whatif import SimulateSettings, simulate
 
     shape = ModelShape.of("embedded", dtype="float32")
     notes = {}
-    for version in (2, 3, 4, 6, 7):
+    for version in (2, 3, 4, 6, 7, 8):
         path = tmp_path / f"v{version}.json"
         rows = [{**row, "routing_us": row["us"] / 2} for row in cpu_profile(shape)["call_host_us"]]
         by_tokens = {"group_host_by_tokens": [{"tokens": 4, "us": 40.0}, {"tokens": 64, "us": 60.0}]} \
             if version >= 6 else {}
+        passes = {"dequant_host_us": {"fp8": 30.0, "int4": 30.0}} if version >= 8 else {}
         path.write_text(json.dumps({**cpu_profile(shape), "profile_version": version, "call_host_us": rows,
-                                    **by_tokens}))
+                                    **by_tokens, **passes}))
         for policy in ("duoserve", "lru"):
             for fmt in ("model", "fp8"):
                 s = SimulateSettings(model_shape="embedded", profile=str(path), dtype="float32", policies=[policy],
@@ -491,7 +493,28 @@ def test_a_simulation_says_what_an_older_profile_overstates(tmp_path):
     assert routing == [(v, "lru", fmt) for v in (2, 3) for fmt in ("model", "fp8")]
     groups = [key for key, said in notes.items() if any("E/k tokens only" in note for note in said)]
     assert groups == [key for key in notes if key[0] < 6]
-    assert notes[7, "lru", "fp8"] == notes[6, "duoserve", "model"] == []
+    passes = [key for key, said in notes.items() if any("per dequantization pass" in note for note in said)]
+    assert passes == [(v, p, "fp8") for v in (2, 3, 4, 6, 7) for p in ("duoserve", "lru")]
+    assert notes[8, "lru", "fp8"] == notes[6, "duoserve", "model"] == []
+
+
+def test_a_quantized_fetchs_dequantization_pass_costs_the_host_what_the_profile_timed():
+    """Each dequantization pass of a quantized fetch costs the host the profile's ``dequant_host_us`` for its
+    format, its copies what a plain expert's do; a profile without it charges a pass one copy's queueing."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    experts = list(range(0, 2 * shape.top_k, 2))  # k experts, none consecutive: a copy each, one pass
+    host = {}
+    for timed in (None, 250.0):
+        profile = cpu_profile(shape) | ({"dequant_host_us": {"fp8": timed, "int4": 0.0}} if timed else {})
+        costs = Costs(profile)
+        streams = SimStreams()
+        store = SimStore(shape.layout, costs, True, "fp8")
+        ExpertCache(shape.layout, len(experts), streams).fetch(0, experts, store, "decode", set())
+        host[timed] = streams.host
+    assert store.chunk >= len(experts)  # one pass
+    copy = costs.copy_host_ms
+    assert host[None] == pytest.approx((len(experts) + 1) * copy)
+    assert host[250.0] == pytest.approx(len(experts) * copy + 0.25)
 
 
 def test_a_simulation_of_a_trained_predictor_says_when_the_profile_timed_only_its_bare_call(tmp_path, trained):

@@ -92,6 +92,7 @@ class SimStore:
     def __init__(self, layout: ExpertLayout, costs: Costs, packed: bool, fmt: str = "model"):
         self.layout, self.costs, self.fmt = layout, costs, fmt
         self.host_ms = costs.copy_host_ms  # per expert fetched; the simulator sets its cache's fetch cost
+        self.pass_host_ms = costs.dequant_host_ms.get(fmt)  # per dequantization pass (None: one copy's queueing)
         self.packed = torch.empty(0, device="meta") if packed else None  # what the scheduler checks a policy against
         self.modules = None if packed else {}
         self.dequantizes = fmt != "model"
@@ -101,7 +102,8 @@ class SimStore:
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream,
                    scratch) -> _Event | None:
         """n experts in r copies (``runs``: a stretch of consecutive experts into consecutive slots is one), each
-        queued by the host (``host_ms``) and then run on ``stream`` (``copy`` an expert): in closed form, the last
+        queued by the host (``host_ms``) and then run on ``stream`` (``copy`` an expert), a quantized store's
+        dequantization passes each costing the host ``pass_host_ms``: in closed form, for plain stores, the last
         ends at max(t0 + n copy, h + host + n copy, h + r host + last copy) for a stream at t0 and the host at h
         (the latest of the stream's own work, the first copy's queueing and the last one's). A quantized store
         returns its last pass's event, as ``QuantizedExperts.copy_group`` does."""
@@ -124,7 +126,7 @@ class SimStore:
                     streams.host += host
                     streams.run(stream, count * copy, copy=True)
                 streams.wait(streams.dequant, streams.record(stream))
-                streams.host += host
+                streams.host += host if self.pass_host_ms is None else self.pass_host_ms
                 streams.run(streams.dequant, len(chunk) * costs.dequant_ms[self.fmt])
                 staging["read"][staging["next"]] = streams.record(streams.dequant)
             return staging["read"][staging["next"]]

@@ -26,7 +26,11 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
                 books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
                 heap-ranked one; timed inside real generations too, from the engine's own fetch section (version 4:
-                the difference of two engines' whole calls)
+                the difference of two engines' whole calls). ``dequant_host_us`` (version 8; not required): what
+                each dequantization pass of a quantized fetch adds to it, by stored expert dtype (the slot ids'
+                upload, the pass's launch or graph replay, its events), from decode calls of an engine over these
+                experts stored so, less ``fetch_host_us`` for each expert's copy; before it, the simulator charged a
+                pass one copy's queueing
   group_host_us what each compute group beyond a call's first adds (the prefill schedule: rows, upload, launches):
                 a prefill of every expert through caches of 4k and k slots, fetched in groups of 2k and k/2, the
                 difference in host time over the difference in groups (version 3 and before: one such call
@@ -89,21 +93,22 @@ from duoserve.runtime.experts import SlotView, slot_experts
 from duoserve.runtime.generation import cache_for, timed_generate
 from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
-from duoserve.runtime.quant import QuantizedExperts, dequantizer, make_store
+from duoserve.runtime.quant import QuantizedExperts, dequantizer, make_store, stage_chunk
 from duoserve.runtime.schedule import FETCH_SECTION
 from duoserve.runtime.scheduler import ROUTING_SECTION
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
+# 8: dequant_host_us, a quantized fetch's host cost per dequantization pass, by expert dtype;
 # 7: dequant_ms is the engine's pass straight into cache slots, Triton kernels on a GPU (before: eager, then copied);
 # 6: group_host_by_tokens, a prefill group's host cost by the call's tokens (group_host_us: at E/k tokens);
 # 5: the engine's host costs timed in generations run as the bench runs them (step graphs on a static KV cache),
 # each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 7
-READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7)
+PROFILE_VERSION = 8
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -314,7 +319,9 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     """Host microseconds of the engine's layer calls (the device idle when one starts, not waited for at its end):
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
     inside real generations (``_timed_calls``); ``fetch``: what each expert fetched on a miss adds, by cache size (a
-    scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``group``: what each compute
+    scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``dequant_host``: what each
+    dequantization pass of a quantized fetch adds, by expert dtype (the same calls over quantized stores); ``group``:
+    what each compute
     group beyond a call's first adds (the prefill schedule's groups); ``launch``: the decode prefetch's predictor
     launch by batch (a ``duoserve`` engine with a random predictor, inside real generations); ``module``: the
     milliseconds of one expert fetched per module (``_module_fetch_ms``, from these experts in the per-module
@@ -339,9 +346,20 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         """The median host µs of calls (``call``'s pairs) and of their routing reads."""
         return statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
 
-    def engine(slots: int) -> OffloadEngine:
-        return OffloadEngine(model, stores, POLICIES["lru"], settings=EngineSettings(
+    def engine(slots: int, held: list[HostExperts] = stores) -> OffloadEngine:
+        return OffloadEngine(model, held, POLICIES["lru"], settings=EngineSettings(
             gpu_expert_budget=slots * nbytes, step_graphs=s.step_graphs))
+
+    def misses(held: list[HostExperts], slots: int) -> list[_Call]:
+        """The decode calls with misses of a B=1 generation through a cache of ``slots`` over ``held``."""
+        with torch.no_grad():
+            calls = _timed_calls(engine(slots, held), model, s, 1, device)
+        return [c for c in calls if c.phase == "decode" and c.fetched]
+
+    # the same experts stored quantized (pinned on a GPU), each layer quantized on the device
+    quantized = {fmt: [make_store(store.params(device), fmt, pin=device.type == "cuda") for store in stores]
+                 for fmt in ("fp8", "int4")}
+    chunk = max(stage_chunk(stores[0].layout), 1)  # experts a pass dequantizes
 
     modules = [HostExperts.as_modules(store.params("cpu")) for store in stores]  # the per-module policies' stores
 
@@ -378,13 +396,18 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
 
         fetch = []
         for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
-            with torch.no_grad():
-                timed = [c for c in _timed_calls(engine(slots), model, s, 1, device)
-                         if c.phase == "decode" and c.fetched]
+            timed = misses(stores, slots)
             # the engine's own fetch section of each call with misses, less its time with none: read in one call, not
             # a difference of two engines' whole calls (which read 3.9 and 53.5 us on one H100 minutes apart)
             spent = statistics.median((c.fetch_us - entry_us) / c.fetched for c in timed) if timed else 0.0
             fetch.append({"slots": slots, "us": max(spent, copy_us)})  # at least the copy's own queueing
+
+        # a quantized fetch copies each expert as a plain one does (``fetch``'s cost an expert, the decode cache's)
+        # and adds its dequantization passes' host work: what is left of its fetch section, per pass
+        per_copy = fetch[0]["us"]
+        dequant_host = {fmt: statistics.median(
+            max(c.fetch_us - entry_us - per_copy * c.fetched, 0.0) / -(-c.fetched // chunk) for c in timed) if timed
+            else per_copy for fmt, timed in ((fmt, misses(held, 2 * k)) for fmt, held in quantized.items())}
 
         def group_us(ids: np.ndarray) -> float:
             """One prefill call of ``ids`` (every expert routed, none cached) through caches of 4k and k slots: the
@@ -404,7 +427,8 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
         # read 0.59 ms a group at E/k tokens and 0.71 at 64, on-demand, benchmarks/group_host_probe.py)
         by_tokens = [{"tokens": T, "us": group_us(np.resize(every, (T, k)))}
                      for T in [len(every), *(t for t in GROUP_TOKENS if t > len(every))]]
-        return {"call": rows, "fetch": fetch, "group": by_tokens[0]["us"], "group_by_tokens": by_tokens,
+        return {"call": rows, "fetch": fetch, "dequant_host": dequant_host, "group": by_tokens[0]["us"],
+                "group_by_tokens": by_tokens,
                 "launch": launch_us,
                 "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
                                                          settings=EngineSettings(step_graphs=s.step_graphs)),
@@ -523,9 +547,10 @@ def _with_engine_costs(profile: dict, engine_us: dict) -> dict:
     launch = {int(B): us for B, us in engine_us["launch"].items()}  # a round read back from JSON has string keys
     predictor_ms = [{**row, **({"launch_host_ms": launch[row["batch"]] / 1e3} if row["batch"] in launch else {})}
                     for row in profile["predictor_ms"]]
-    by_tokens = {"group_host_by_tokens": engine_us["group_by_tokens"]} if "group_by_tokens" in engine_us else {}
+    optional = {field: engine_us[key] for field, key in (("group_host_by_tokens", "group_by_tokens"),
+                                                          ("dequant_host_us", "dequant_host")) if key in engine_us}
     return {**profile, "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
-            "group_host_us": engine_us["group"], **by_tokens, "module_copy_ms": engine_us["module"],
+            "group_host_us": engine_us["group"], **optional, "module_copy_ms": engine_us["module"],
             "predictor_ms": predictor_ms}
 
 

@@ -109,6 +109,11 @@ def _notes(s: SimulateSettings, profile: dict) -> list[str]:
         notes.append(f"this profile (version {version}) timed {timed}, not the engine's kernels straight into "
                      "the slots: quantized stores' dequantization, and so their TTFT, are overstated; measure the "
                      "device again with duoserve-run profile")
+    if s.expert_dtype != "model" and s.expert_dtype not in profile.get("dequant_host_us", {}):
+        notes.append(f"this profile (version {version}) did not time a quantized fetch's host work per dequantization "
+                     "pass (the slot ids' upload, the pass's launch): each pass is charged one copy's queueing, so a "
+                     "quantized decode step's host time is understated where the host is the bound; measure the "
+                     "device again with duoserve-run profile")
     waiting = [p.name for p in map(get_policy, s.policies) if not (p.predict or p.prefetch_layer)]
     if version < 4 and waiting:
         notes.append(f"this profile (version {version}) has no routing_us: a layer call's whole host time is charged "

@@ -227,7 +227,9 @@ def profile_cmd(
                      num(step["decode_ms"], ".3f"), num(step["prefill_ms"], ".3f"))
     console.print(rest)
     console.print(f"copy queued in {result['copy_host_us']:.1f} us of host time; dequantizing one expert: "
-                  + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items()))
+                  + ", ".join(f"{k} {v:.3f} ms" for k, v in result["dequant_ms"].items())
+                  + "; host time of a quantized fetch's dequantization pass: "
+                  + ", ".join(f"{k} {v:.0f} us" for k, v in result["dequant_host_us"].items()))
     console.print("host time of each prefill group past a call's first: "
                   + ", ".join(f"{g['us']:.0f} us at {g['tokens']} tokens" for g in result["group_host_by_tokens"]))
     first = result["predictor_ms"][0]
