@@ -78,7 +78,8 @@ class Costs:
                       for kind in ("pinned", "pageable")}
         self.copy_host_ms = profile["copy_host_us"] / 1e3 * h
         self.dequant_ms = profile["dequant_ms"]
-        # host ms a quantized fetch's dequantization pass adds, by expert dtype (None: not timed, version 8 on)
+        # host ms a quantized fetch's dequantization pass adds, by expert dtype (a dtype missing: not timed, as
+        # before version 8)
         self.dequant_host_ms = {fmt: us / 1e3 * h for fmt, us in profile.get("dequant_host_us", {}).items()}
         groups = {}
         for row in profile["expert_ms"]:

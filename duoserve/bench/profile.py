@@ -320,12 +320,11 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
     ``call``: a call whose experts are all cached (one compute group), by phase and tokens, a decode call's timed
     inside real generations (``_timed_calls``); ``fetch``: what each expert fetched on a miss adds, by cache size (a
     scanned cache and a heap-ranked one, ``cache.py``), also inside real generations; ``dequant_host``: what each
-    dequantization pass of a quantized fetch adds, by expert dtype (the same calls over quantized stores); ``group``:
-    what each compute
-    group beyond a call's first adds (the prefill schedule's groups); ``launch``: the decode prefetch's predictor
-    launch by batch (a ``duoserve`` engine with a random predictor, inside real generations); ``module``: the
-    milliseconds of one expert fetched per module (``_module_fetch_ms``, from these experts in the per-module
-    policies' pageable stores)."""
+    dequantization pass of a quantized fetch adds, by expert dtype (the same calls over quantized stores);
+    ``group``: what each compute group beyond a call's first adds (the prefill schedule's groups); ``launch``: the
+    decode prefetch's predictor launch by batch (a ``duoserve`` engine with a random predictor, inside real
+    generations); ``module``: the milliseconds of one expert fetched per module (``_module_fetch_ms``, from these
+    experts in the per-module policies' pageable stores)."""
     stores, (L, E, k) = packed_experts(model, device)
     H, dtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
     nbytes = stores[0].layout.nbytes
@@ -404,10 +403,11 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
 
         # a quantized fetch copies each expert as a plain one does (``fetch``'s cost an expert, the decode cache's)
         # and adds its dequantization passes' host work: what is left of its fetch section, per pass
-        per_copy = fetch[0]["us"]
-        dequant_host = {fmt: statistics.median(
-            max(c.fetch_us - entry_us - per_copy * c.fetched, 0.0) / -(-c.fetched // chunk) for c in timed) if timed
-            else per_copy for fmt, timed in ((fmt, misses(held, 2 * k)) for fmt, held in quantized.items())}
+        per_copy, dequant_host = fetch[0]["us"], {}
+        for fmt, held in quantized.items():
+            timed = misses(held, 2 * k)
+            passes = [(max(c.fetch_us - entry_us - per_copy * c.fetched, 0.0), -(-c.fetched // chunk)) for c in timed]
+            dequant_host[fmt] = statistics.median(us / n for us, n in passes) if passes else per_copy
 
         def group_us(ids: np.ndarray) -> float:
             """One prefill call of ``ids`` (every expert routed, none cached) through caches of 4k and k slots: the
