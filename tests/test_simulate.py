@@ -153,7 +153,7 @@ def test_a_prefetch_left_for_the_next_layer_call_makes_the_same_decisions_in_eng
         within = run(Simulator(shape, graphed, policy, spec, replace(settings, defer_prefetch=False), expert_dtype=fmt),
                      ((0, p) for p in random_passes(shape, batch, 7, 6)))
         with monkeypatch.context() as m:
-            m.setattr(OffloadEngine, "defer_prefetch", True)  # what replayed step graphs make it
+            m.setattr(OffloadEngine, "layers_replayed", True)  # what replayed step graphs make it
             engine = _engine_counts(model, tokenizer, policy, load_predictor(trained) if predictor == "trained" else
                                     predictor, settings, batch, prompt=7, new=6, expert_dtype=fmt)
         assert {key: simulated[key] for key in COUNTERS} == engine, (predictor, settings, fmt)
@@ -505,7 +505,7 @@ def test_a_quantized_fetchs_dequantization_pass_costs_the_host_what_the_profile_
     experts = list(range(0, 2 * shape.top_k, 2))  # k experts, none consecutive: a copy each, one pass
     host = {}
     for timed in (None, 250.0):
-        profile = cpu_profile(shape) | ({"dequant_host_us": {"fp8": timed, "int4": 0.0}} if timed else {})
+        profile = cpu_profile(shape) | ({"dequant_host_us": {"fp8": timed}} if timed else {})
         costs = Costs(profile)
         streams = SimStreams()
         store = SimStore(shape.layout, costs, True, "fp8")

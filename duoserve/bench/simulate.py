@@ -207,9 +207,9 @@ class Simulator:
                                          deployed, next_gate, self.timers or NullTimers())
         for store in stores:
             store.host_ms = costs.fetch_host_ms(self.scheduler.cache.slots)
-        # as the engine does where its decode layers replay from step graphs (the profile's layer costs say whether
-        # they did): each decode prefetch left to the next layer call, if the settings ask for it
-        self.scheduler.defer_prefetch = settings.defer_prefetch and bool(costs.profile.get("step_graphs", False))
+        # the engine's decode layers replayed from step graphs, as the profile's layer costs say they were: the
+        # scheduler then leaves each decode prefetch to the next layer call, if the settings ask for it
+        self.scheduler.layers_replayed = bool(costs.profile.get("step_graphs", False))
 
     def _next_gate_of(self, target: int, width: int, with_scores: bool):
         """What the engine's next-gate function gives for ``target``: the replayed pass's B x m ids (and scores)."""

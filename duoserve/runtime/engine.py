@@ -72,10 +72,10 @@ class OffloadEngine(ExpertsPlugin, ExpertScheduler):
             self.graph_steps()
 
     @property
-    def defer_prefetch(self) -> bool:
-        """With ``settings.defer_prefetch``, a decode call replayed from step graphs leaves its prefetch to the next
-        layer call's start (the scheduler's step 4): the host reaches it after a few graph replays."""
-        return self.settings.defer_prefetch and self.step_graphs is not None and self.step_graphs.replaying
+    def layers_replayed(self) -> bool:
+        """Whether this decode call is replayed from step graphs: the host reaches the next layer call after a few
+        graph replays, so the scheduler may leave its prefetch to that call's start (``defer_prefetch``)."""
+        return self.step_graphs is not None and self.step_graphs.replaying
 
     def _next_gate(self, predictor) -> list | None:
         """Per target layer t >= 1: its router's top-m ids (and scores) on layer t-1's MoE input, for a predictor

@@ -74,11 +74,12 @@ class ExpertScheduler:
     sections and device stalls (default: ``EngineTimers``; a simulator, which keeps its own clocks, gives
     ``NullTimers``).
 
-    ``defer_prefetch``: whether a decode call's prefetch waits for the next layer call's start (step 4 above); a
-    driver sets it where the host gets from one experts call to the next in little time.
+    ``layers_replayed``: whether the driver's layer calls follow one another in little host time (decode layers
+    replayed from step graphs); a driver sets it. Where it holds and ``settings.defer_prefetch`` asks for it, a decode
+    call's prefetch waits for the next layer call's start (``defer_prefetch``, step 4 above).
     """
 
-    defer_prefetch = False
+    layers_replayed = False
 
     def __init__(self, geometry: tuple[int, int, int], stores: list[HostExperts], policy: Policy,
                  settings: EngineSettings, streams: Streams, compute: Callable,
@@ -132,6 +133,11 @@ class ExpertScheduler:
             raise ValueError(f"a GPU expert budget of {self.cache.slots} experts leaves none to pin beyond the "
                              f"{self.cache.slots - count} the cache needs; raise --gpu-expert-budget")
         self.cache.pin(list(keys[:count]), self.stores)
+
+    @property
+    def defer_prefetch(self) -> bool:
+        """Whether a decode call leaves its prefetch to the next layer call's start (step 4 above)."""
+        return self.layers_replayed and self.settings.defer_prefetch
 
     def begin_pass(self, phase: str, batch: int) -> None:
         """A forward pass of ``batch`` sequences starts, in ``phase`` (prefill or decode)."""

@@ -141,7 +141,6 @@ class HostExperts:
             for e, s in zip(experts, slots):
                 for name, view in self.layout.views(rows.span(s)[None]).items():
                     view[0].copy_(self.modules[name][e])
-        return None
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, unpacked, on ``device``."""
