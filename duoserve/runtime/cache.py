@@ -64,9 +64,11 @@ class ExpertCache:
         self.slot_of: dict[Key, int] = {}
         self.ready: list = [None] * slots
         self.free: list = [None] * slots
-        self.used = [0] * slots  # clock of each slot's last fetch or release
+        # each slot's rank as a victim, lowest first: (wanted, used), where ``used`` is the clock of its last fetch or
+        # release and ``wanted`` its score; an empty slot ranks (-1.0, -1), below every held one
+        self.used = [-1] * slots
         self.clock = 0  # advances per fetch group and release, so groups of one layer call are ordered too
-        self.wanted = [0.0] * slots
+        self.wanted = [-1.0] * slots
         self._version = [0] * slots  # bumped at each change of a slot's rank; heap entries of older ones are stale
         # (wanted, used, slot, version), empty slots first; None: a small cache, scanned instead
         self._heap = [(-1.0, -1, s, 0) for s in range(slots)] if slots > HEAP_SLOTS else None
@@ -125,8 +127,7 @@ class ExpertCache:
             self._version[s] += 1
             if self.key[s] in self.pinned:
                 continue  # never a victim: out of the ranking
-            rank = (-1.0, -1) if self.key[s] is None else (self.wanted[s], self.used[s])
-            heapq.heappush(self._heap, (*rank, s, self._version[s]))
+            heapq.heappush(self._heap, (self.wanted[s], self.used[s], s, self._version[s]))
         if len(self._heap) > 2 * self.slots + 64:  # mostly stale: rebuild from the live entries
             self._heap = [entry for entry in self._heap if entry[3] == self._version[entry[2]]]
             heapq.heapify(self._heap)
@@ -140,8 +141,7 @@ class ExpertCache:
             skip = keep | self.pinned if self.pinned else keep
             wanted, used = self.wanted, self.used
             # (wanted, used, slot) of each slot it may take: tuples compare in C, where a sort key is a call a slot
-            ranked = [(-1.0, -1, s) if key is None else (wanted[s], used[s], s)
-                      for s, key in enumerate(self.key) if key not in skip]
+            ranked = [(wanted[s], used[s], s) for s, key in enumerate(self.key) if key not in skip]
             if len(ranked) < count:
                 raise self._full(count, keep)
             if len(ranked) > count:  # else every slot it may take: no ranking
@@ -224,7 +224,7 @@ class ExpertCache:
         self.slot_of = {key: s for key, s in self.slot_of.items() if key in self.pinned}
         dropped = [s for s, key in enumerate(self.key) if key is not None and key not in self.pinned]
         for s in dropped:
-            self.key[s] = None
+            self.key[s], self.wanted[s], self.used[s] = None, -1.0, -1
         self._touch(dropped)
 
     def resident(self, layer: int, needed: list[int], phase: str) -> dict[int, int]:

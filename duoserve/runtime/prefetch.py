@@ -39,6 +39,8 @@ class DecodePrefetch:
         self.on_host = getattr(predictor, "on_host", False)
         self.history: torch.Tensor | None = None  # B x L x k routing of the current decode step
         self._host_top: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # pinned D x B x k ids, scores
+        self._targets = [list(range(1 if l == 0 else l + lookahead, min(l + lookahead, self.L - 1) + 1))
+                         for l in range(self.L)]  # asked at every layer call: worked out once
 
     def begin_step(self, batch: int) -> None:
         """A decode forward pass of ``batch`` sequences starts: a history of that size."""
@@ -51,8 +53,7 @@ class DecodePrefetch:
 
     def targets(self, l: int) -> list[int]:
         """Layers to predict at layer ``l``: l + d, and at a step's first layer every layer up to d."""
-        first = 1 if l == 0 else l + self.lookahead
-        return list(range(first, min(l + self.lookahead, self.L - 1) + 1))
+        return self._targets[l]
 
     def launch(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, routed, targets: list[int]):
         """Queue the predictor for ``targets`` (nothing when empty); what ``rank`` reads."""
