@@ -11,6 +11,7 @@ F width of the first hidden layer, D input width, H the model's hidden size, m n
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from collections.abc import Callable
 
@@ -40,6 +41,13 @@ def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
     return folded
 
 
+# a CPU call of at least this many examples sums its history rows in column blocks of the table of at most this many
+# bytes (``SparseHistoryPredictor._history_sum``): a block stays in a core's L2 cache (1-2 MB on server cores); below
+# that batch the extra bag per block costs more than it saves (docs/benchmarks.md)
+BAG_BLOCK_MIN_ROWS = 256
+BAG_BLOCK_BYTES = 3 << 19  # 1.5 MiB
+
+
 class SparseHistoryPredictor(nn.Module):
     """The same function as a (BN-folded) predictor, with the history part of the first layer as an embedding bag."""
 
@@ -57,6 +65,7 @@ class SparseHistoryPredictor(nn.Module):
             self.dense.weight.copy_(weight[:, hist:])
             self.dense.bias.copy_(first.bias)
         self.tail = self.inner.mlp[1:]
+        self._blocks: tuple[int, list[torch.Tensor]] = (0, [])  # the table's address, its column blocks (CPU)
         self.inner.mlp = nn.Sequential()  # its first layer now lives in history_rows and dense
 
     def forward(self, history: torch.Tensor, target: torch.Tensor, nextgate: torch.Tensor | None = None,
@@ -69,10 +78,23 @@ class SparseHistoryPredictor(nn.Module):
         if torch.compiler.is_compiling():  # Inductor fuses the gather and the sum into one read of the W*k rows
             h = self.history_rows[rows.flatten(1)].sum(1)  # B x F
         else:  # eager: a gather would first write B x W*k x F
-            h = nn.functional.embedding_bag(rows.flatten(1), self.history_rows, mode="sum")  # B x F
+            h = self._history_sum(rows.flatten(1))  # B x F
         dense = self.inner.dense_features(ids, target, depth, nextgate, nextgate_scores)
         out = self.tail(h + self.dense(dense.to(self.dense.weight.dtype)))  # B x A*E
         return self.inner.head(out, depth, nextgate, nextgate_scores)
+
+    def _history_sum(self, rows: torch.Tensor) -> torch.Tensor:
+        """B x F sums of ``history_rows``' rows ``rows`` (B x W*k). A large batch on the CPU reads the table in column
+        blocks that fit a core's L2 cache, one bag each: the same sums in the same order, each table row fetched from
+        memory once a block rather than once an example (the paper's widths at Qwen3-30B-A3B's geometry, a 49 MB
+        table: 2.5x at 1,024 examples; docs/benchmarks.md)."""
+        table = self.history_rows
+        if table.device.type != "cpu" or len(rows) < BAG_BLOCK_MIN_ROWS or table.nbytes <= BAG_BLOCK_BYTES:
+            return nn.functional.embedding_bag(rows, table, mode="sum")
+        if self._blocks[0] != table.data_ptr():  # first use, or the table moved (another device or dtype)
+            width = max(16, 1 << int(math.log2(max(BAG_BLOCK_BYTES // (len(table) * table.element_size()), 1))))
+            self._blocks = (table.data_ptr(), [b.contiguous() for b in table.split(width, dim=1)])  # (W*E + 1) x width
+        return torch.cat([nn.functional.embedding_bag(rows, block, mode="sum") for block in self._blocks[1]], dim=1)
 
     predict = ExpertPredictor.predict  # the same top ids, from this forward
 
