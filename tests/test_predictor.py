@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from duoserve.bench.shapes import random_predictor
+from duoserve.predictor import fast
 from duoserve.predictor.fast import (
     CPU_ROWS,
     GraphedPredictor,
@@ -50,6 +51,22 @@ def test_sparse_first_layer_computes_the_same_function():
         torch.testing.assert_close(sparse(history, target), model(history, target), rtol=1e-4, atol=1e-4)
     assert torch.equal(sparse.predict(history, target).sort(1).values, model.predict(history, target).sort(1).values)
     assert not any(isinstance(m, torch.nn.Linear) and m.in_features == model.spec.input_dim for m in sparse.modules())
+
+
+def test_a_large_cpu_batch_sums_its_history_rows_in_column_blocks_exactly(monkeypatch):
+    """The blocked sum reads the table a column block at a time: the same sums, in the same order, as one bag."""
+    sparse = SparseHistoryPredictor(_trained_like())
+    history = torch.rand(40, L, E).argsort(-1)[..., :K]
+    target = torch.randint(1, L, (40,))
+    with torch.no_grad():
+        whole = sparse(history, target)
+        table = sparse.history_rows
+        monkeypatch.setattr(fast, "BAG_BLOCK_MIN_ROWS", 32)
+        monkeypatch.setattr(fast, "BAG_BLOCK_BYTES", table.nbytes // 3)
+        blocked = sparse(history, target)
+    widths = [block.shape[1] for block in sparse._blocks[1]]
+    assert len(widths) > 1 and sum(widths) == table.shape[1]  # the blocked path ran, over every column
+    assert torch.equal(blocked, whole)
 
 
 def test_the_compiled_sparse_first_layer_computes_the_same_function():
