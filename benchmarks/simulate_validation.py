@@ -62,7 +62,8 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
     L, E, k = shape.num_layers, shape.num_experts, shape.top_k
     routing = ReplayRouting(trace, L, E, k) if trace else RandomRouting(L, E, k, seed=0)
     predictor = r["predictor"] or "none"
-    sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings, sections=True)
+    sim = Simulator(shape, costs, POLICIES[r["policy"]], predictor, settings, r.get("expert_dtype", "model"),
+                    sections=True)
     return run(sim, bench_passes(routing, r["batch_size"], r["prompt_len"], r["new_tokens"]))
 
 
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> dict:
         paced = args.pace and profile_pace is not None
         rounds: dict[tuple, list[dict]] = {}  # a bench of several rounds: the median of each point's rounds
         for r in bench["runs"]:
-            rounds.setdefault((r["policy"], r["predictor"], r["batch_size"], r["prompt_len"]), []).append(r)
+            point = (r["policy"], r["predictor"], r.get("expert_dtype", "model"), r["batch_size"], r["prompt_len"])
+            rounds.setdefault(point, []).append(r)
         for runs in rounds.values():
             r = runs[0]
             if trace and reads_next_gate(r["predictor"]):
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
             simulated = simulate_run(bench, r, shape, Costs(profile, pace["runs"]), trace) if paced else unpaced
             sim, ratio, within = compare(simulated, measured)
             rows.append({"bench": name, "rounds": len(runs), "policy": r["policy"], "predictor": r["predictor"],
-                         "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
+                         "expert_dtype": r.get("expert_dtype", "model"), "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
                          "simulated": sim, "ratio": ratio, "within": within, "host_op_us": pace, "paced": paced,
                          "unpaced": dict(zip(("simulated", "ratio", "within"), compare(unpaced, measured))),
                          "host_ms": {"measured": _median_sections(runs), "simulated": simulated["host_ms"]},
@@ -152,7 +154,8 @@ def main(argv: list[str] | None = None) -> dict:
     for row in rows:
         m, s, q = row["measured"], row["simulated"], row["ratio"]
         name = row["bench"].removeprefix("simulate_bench_").removesuffix(f"_{args.machine}.json")
-        table.add_row(name, row["policy"], str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
+        policy = row["policy"] + ("" if row["expert_dtype"] == "model" else f" ({row['expert_dtype']})")
+        table.add_row(name, policy, str(row["predictor"] or "-"), str(row["batch_size"]), f"{m['ttft_ms']:.1f}",
                       f"{s['ttft_ms']:.1f}", f"{q['ttft_ms']:.2f}", f"{m['tpot_ms']:.2f}", f"{s['tpot_ms']:.2f}",
                       f"{q['tpot_ms']:.2f}", "yes" if row["within"] else "no", _pace(row["host_op_us"]),
                       _sections(row["host_ms"]))
