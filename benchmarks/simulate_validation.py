@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> dict:
             simulated = simulate_run(bench, r, shape, Costs(profile, pace["runs"]), trace) if paced else unpaced
             sim, ratio, within = compare(simulated, measured)
             rows.append({"bench": name, "rounds": len(runs), "policy": r["policy"], "predictor": r["predictor"],
-                         "expert_dtype": r.get("expert_dtype", "model"), "batch_size": r["batch_size"], "prompt_len": r["prompt_len"], "measured": measured,
+                         "expert_dtype": r.get("expert_dtype", "model"), "batch_size": r["batch_size"],
+                         "prompt_len": r["prompt_len"], "measured": measured,
                          "simulated": sim, "ratio": ratio, "within": within, "host_op_us": pace, "paced": paced,
                          "unpaced": dict(zip(("simulated", "ratio", "within"), compare(unpaced, measured))),
                          "host_ms": {"measured": _median_sections(runs), "simulated": simulated["host_ms"]},
