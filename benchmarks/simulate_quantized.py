@@ -41,6 +41,8 @@ def main(argv: list[str] | None = None) -> dict:
     profile = resolve_profile(args.profile)
     for item in args.dequant_us:
         fmt, _, us = item.partition("=")
+        if fmt not in ("fp8", "int4") or not us.replace(".", "", 1).isdigit():
+            p.error(f"--dequant-us takes FMT=US with FMT fp8 or int4 and US a number of microseconds, not {item!r}")
         profile["dequant_ms"] = {**profile["dequant_ms"], fmt: float(us) / 1e3}
     rows = []
     for path in args.bench:
