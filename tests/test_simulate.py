@@ -358,6 +358,31 @@ def test_simulate_command_simulates_a_host_of_the_pace_it_is_given(tmp_path):
     assert slow["tpot_ms"]["mean"] > 1.5 * own["tpot_ms"]["mean"] and slow["bytes_h2d"] == own["bytes_h2d"]
 
 
+def test_simulate_command_runs_the_decode_prefetch_at_the_minimum_score_it_is_given(
+        tmp_path, embedded_trace, embedded_predictor):
+    """``--prefetch-min-score``: the table's trained predictor copies only guesses scored at least that, so fewer ahead
+    and at a higher precision; with no predictor nothing changes."""
+    from typer.testing import CliRunner
+
+    from duoserve.cli.evaluate import app
+
+    rows = {}
+    for score in ("0", "0.5"):
+        out = tmp_path / score
+        result = CliRunner().invoke(app, [
+            "simulate", "--profile", "h200-embedded", "--model-shape", "embedded", "--traces",
+            str(embedded_trace.path), "--predictor", str(embedded_predictor), "--predictor", "none", "--policy",
+            "duoserve", "--requests", "4", "--prefetch-min-score", score, "--no-charts", "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        saved = json.loads((out / "simulate.json").read_text())
+        assert saved["prefetch_min_score"] == float(score)
+        rows[score] = {r["predictor"]: r for r in saved["rows"]}
+    low, high = rows["0"][str(embedded_predictor)], rows["0.5"][str(embedded_predictor)]
+    assert high["prefetch_min_score"] == 0.5 and 0 < high["prefetched"] < low["prefetched"]
+    assert high["prefetch_precision"] > low["prefetch_precision"]
+    assert rows["0"]["none"]["bytes_h2d"] == rows["0.5"]["none"]["bytes_h2d"]
+
+
 def test_a_calls_host_time_after_its_routing_read_overlaps_its_misses_copies(embedded):
     """The engine queues a call's fetches right after reading its routing, then spends the rest of its host time
     (rows, launches) while they copy: a profile that says so (version 4's routing_us) times on-demand's decode,
@@ -563,7 +588,17 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     for name in saved["charts"]:
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     assert {"tpot_vs_accuracy.png", "tpot_vs_budget.png", "tpot_vs_lookahead.png", "ttft_vs_prompt.png",
-            "throughput_vs_batch.png"} == set(saved["charts"])
+            "throughput_vs_batch.png", "tpot_vs_min_score.png"} == set(saved["charts"])
+    # the trained predictor at each minimum score: a higher one copies fewer guesses ahead, and the fastest is named
+    tried = [r for r in saved["sweeps"]["min_score"] if r["predictor"] == str(embedded_predictor)]
+    assert [r["prefetch_min_score"] for r in tried] == list(whatif.MIN_SCORES)
+    assert all(a["prefetched"] >= b["prefetched"] for a, b in zip(tried, tried[1:]))
+    assert tried[-1]["prefetched"] < tried[0]["prefetched"]
+    [best] = saved["best_min_score"]
+    assert best["tpot_p50_ms"] == min(r["tpot_ms"]["p50"] for r in tried)
+    assert best["min_score"] in whatif.MIN_SCORES and best["lowest_tpot_p50_ms"] == tried[0]["tpot_ms"]["p50"]
+    assert best["no_predictor_tpot_p50_ms"] == rows["duoserve", "none", 1]["tpot_ms"]["p50"]
+    assert "prefetch minimum score: " + embedded_predictor.name in " ".join(result.output.split())
     curve = [r for r in saved["sweeps"]["accuracy"] if (r["predictor"] or "").startswith("oracle")]
     assert curve[0]["prefetch_precision"] < curve[-1]["prefetch_precision"] == 1.0  # recall 0 .. 1
     budgets = [r for r in saved["sweeps"]["budget"] if r["policy"] == "lru"]
@@ -573,7 +608,8 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     # the shipped H200 profile timed its layers step-graphed: the table says which engine it simulates
     assert saved["step_graphs"] is True and "decode layers step-graphed" in " ".join(result.output.split())
     points = len(saved["rows"]) + sum(map(len, saved["sweeps"].values()))
-    configs = {(r["policy"], r["predictor"], r["batch_size"], r["gpu_expert_budget"], r["lookahead"])
+    configs = {(r["policy"], r["predictor"], r["batch_size"], r["gpu_expert_budget"], r["lookahead"],
+                r["prefetch_min_score"])
                for r in saved["rows"] + [r for sweep in saved["sweeps"].values() for r in sweep]}
     assert len(simulated) == len(configs) < points  # a sweep's point that is the grid's is simulated once
 

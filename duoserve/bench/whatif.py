@@ -1,6 +1,6 @@
 """What a predictor buys on a given GPU (``duoserve-eval simulate``): the simulator over policies, predictors and
 batch sizes, and the charts of the paper's figures (latency against accuracy, cache budget, look-ahead, prompt
-length and batch size).
+length and batch size), and for each trained predictor the decode prefetch's minimum score that buys the most.
 
 Shape legend: B sequences, L MoE layers, E experts, k top-k, d look-ahead.
 """
@@ -20,6 +20,9 @@ from duoserve.runtime.settings import EngineSettings
 
 ORACLE_CURVE = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)  # recalls of the latency-versus-accuracy chart's oracle
 CHART_BATCHES = (1, 2, 4, 8, 16)
+# prefetch minimum scores tried for each trained predictor: a wrong guess costs a whole copy, which on a copy-bound
+# decode step can cost more than the right guesses save (docs/runtime.md, "Tuning the prefetch's minimum score")
+MIN_SCORES = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 
 @dataclass
@@ -38,6 +41,7 @@ class SimulateSettings:
     gpu_expert_budget: int | None = None
     pin: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys kept resident (the grid's points; not the sweeps')
     lookahead: int = 1
+    prefetch_min_score: float = EngineSettings.prefetch_min_score  # copy ahead only guesses scored at least this
     defer_prefetch: bool = EngineSettings.defer_prefetch  # decode prefetches left to the next layer call (step graphs)
     expert_dtype: str = "model"
     requests: int | None = None  # the trace's first N requests (random routing: N generations, default 4)
@@ -78,12 +82,13 @@ class Study:
                 yield b, p
 
     def point(self, policy: str, predictor: str, batch: int, budget: int | None = None,
-              lookahead: int | None = None) -> dict:
-        """One simulated configuration; ``budget`` or ``lookahead`` given: a sweep's point (no pins)."""
-        sweep = budget is not None or lookahead is not None
+              lookahead: int | None = None, min_score: float | None = None) -> dict:
+        """One simulated configuration; ``budget``, ``lookahead`` or ``min_score`` given: a sweep's point (no pins)."""
+        sweep = budget is not None or lookahead is not None or min_score is not None
         pin = self.s.pin if not sweep and get_policy(policy).reuse and not get_policy(policy).prefetch_layer else ()
         settings = EngineSettings(gpu_expert_budget=budget if budget is not None else self.s.gpu_expert_budget,
                                   lookahead=lookahead or self.s.lookahead, pin=pin,
+                                  prefetch_min_score=self.s.prefetch_min_score if min_score is None else min_score,
                                   defer_prefetch=self.s.defer_prefetch)
         predictor = predictor if get_policy(policy).predict else None
         key = (policy, predictor, batch, settings)
@@ -92,7 +97,8 @@ class Study:
                             self.s.expert_dtype, self.s.seed)
             self._done[key] = run(sim, self.passes(batch))
         return {"policy": policy, "predictor": predictor, "batch_size": batch,
-                "gpu_expert_budget": settings.gpu_expert_budget, "lookahead": settings.lookahead, **self._done[key]}
+                "gpu_expert_budget": settings.gpu_expert_budget, "lookahead": settings.lookahead,
+                "prefetch_min_score": settings.prefetch_min_score, **self._done[key]}
 
 
 def _grid(s: SimulateSettings) -> list[tuple[str, str, int]]:
@@ -156,10 +162,11 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
               # which engine the profile's layer costs describe: decode layers replayed from step graphs, or eager
               "step_graphs": bool(study.profile.get("step_graphs", False)), "defer_prefetch": s.defer_prefetch,
               "routing": "trace" if s.traces else f"random, prompt {s.prompt_len}, {s.new_tokens} new tokens",
-              "expert_dtype": s.expert_dtype, "host_scale": study.costs.host_scale, "notes": _notes(s, study.profile),
-              "rows": rows}
+              "expert_dtype": s.expert_dtype, "prefetch_min_score": s.prefetch_min_score,
+              "host_scale": study.costs.host_scale, "notes": _notes(s, study.profile), "rows": rows}
     if charts is not None:
         result["sweeps"] = {name: [measure(*point, **kw) for point, kw in points] for name, points in sweeps.items()}
+        result["best_min_score"] = best_min_scores(result["sweeps"]["min_score"])
         result["charts"] = draw_charts(result, charts)
     on_point(total, total, "done")
     return result
@@ -168,7 +175,8 @@ def simulate(s: SimulateSettings, charts: Path | None = None,
 def _sweeps(study: Study) -> dict[str, list[tuple[tuple[str, str, int], dict]]]:
     """The extra points of the charts, at the first batch size: the oracle at several recalls (and every trained
     predictor asked for), then, with an oracle of recall 0.9 for the predicting policy, cache budgets for the
-    caching policies, look-ahead depths and batch sizes."""
+    caching policies, look-ahead depths and batch sizes; and each trained predictor at each of ``MIN_SCORES``,
+    beside duoserve with no predictor (an oracle's guesses all score 1: no minimum changes them)."""
     s, shape = study.s, study.shape
     B = s.batch_sizes[0]
     policies = [p for p in s.policies if get_policy(p).pinned]
@@ -184,7 +192,24 @@ def _sweeps(study: Study) -> dict[str, list[tuple[tuple[str, str, int], dict]]]:
     depth = [(("duoserve", "oracle:0.9", B), {"lookahead": d}) for d in range(1, min(4, shape.num_layers))]
     batch = [((p, "oracle:0.9" if get_policy(p).predict else "none", b), {}) for p in policies
              for b in CHART_BATCHES]
-    return {"accuracy": accuracy, "budget": budget, "lookahead": depth, "batch": batch}
+    trained = [q for q in s.predictors if is_artifact(q)]
+    min_score = [(("duoserve", q, B), {"min_score": m}) for q in trained for m in MIN_SCORES]
+    min_score += [(("duoserve", "none", B), {})] if trained else []
+    return {"accuracy": accuracy, "budget": budget, "lookahead": depth, "batch": batch, "min_score": min_score}
+
+
+def best_min_scores(points: list[dict]) -> list[dict]:
+    """Per trained predictor of the min-score sweep: the minimum score of the lowest time per token (P50), beside its
+    time at the lowest minimum tried and the time with no predictor."""
+    none = next((r["tpot_ms"]["p50"] for r in points if r["predictor"] == "none"), None)
+    best = []
+    for predictor in dict.fromkeys(r["predictor"] for r in points if r["predictor"] != "none"):
+        tried = sorted((r for r in points if r["predictor"] == predictor), key=lambda r: r["prefetch_min_score"])
+        top = min(tried, key=lambda r: (r["tpot_ms"]["p50"], r["prefetch_min_score"]))
+        best.append({"predictor": predictor, "batch_size": top["batch_size"], "min_score": top["prefetch_min_score"],
+                     "tpot_p50_ms": top["tpot_ms"]["p50"], "lowest_min_score": tried[0]["prefetch_min_score"],
+                     "lowest_tpot_p50_ms": tried[0]["tpot_ms"]["p50"], "no_predictor_tpot_p50_ms": none})
+    return best
 
 
 def draw_charts(result: dict, folder: Path) -> list[str]:
@@ -259,6 +284,20 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
     ax.set_xticks(CHART_BATCHES, [str(b) for b in CHART_BATCHES])
     ax.legend(fontsize=8)
     save(fig, "throughput_vs_batch.png")
+
+    if sweeps["min_score"]:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for r in sweeps["min_score"]:
+            if r["predictor"] == "none":
+                ax.axhline(r["tpot_ms"]["p50"], ls="--", lw=1, color="gray", label="duoserve, no predictor")
+        for predictor in dict.fromkeys(r["predictor"] for r in sweeps["min_score"] if r["predictor"] != "none"):
+            points = [r for r in sweeps["min_score"] if r["predictor"] == predictor]
+            ax.plot([r["prefetch_min_score"] for r in points], [r["tpot_ms"]["p50"] for r in points], "o-",
+                    label=f"duoserve, {Path(predictor).name}")
+        ax.set(xlabel="prefetch minimum score (--prefetch-min-score)", ylabel="time per output token, P50 (ms)",
+               title=title)
+        ax.legend(fontsize=8)
+        save(fig, "tpot_vs_min_score.png")
     return written
 
 

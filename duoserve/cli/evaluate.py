@@ -7,8 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from duoserve.cli.common import (ENGINE, BudgetOption, DeferPrefetchOption, PinOption, console, gb, int_list, new_app,
-                                 num, pin_keys, progress, table, user_errors)
+from duoserve.cli.common import (ENGINE, BudgetOption, DeferPrefetchOption, MinScoreOption, PinOption, console, gb,
+                                 int_list, new_app, num, pin_keys, progress, table, user_errors)
 from duoserve.evaluate.accuracy import BASELINES
 from duoserve.files import check_output
 
@@ -170,6 +170,7 @@ def simulate(
     gpu_expert_budget: BudgetOption = None,
     pin: PinOption = None,
     lookahead: Annotated[int, typer.Option(min=1, help="Decode prefetch depth d (layers ahead).")] = 1,
+    prefetch_min_score: MinScoreOption = ENGINE.prefetch_min_score,
     defer_prefetch: DeferPrefetchOption = ENGINE.defer_prefetch,
     expert_dtype: Annotated[str, typer.Option(help="Host experts stored as model, fp8 or int4.")] = "model",
     layers: Annotated[Optional[int], typer.Option(min=2, help="Keep this many decoder layers of the shape.")] = None,
@@ -182,7 +183,8 @@ def simulate(
         min=0.01, help="Simulate a host of this pace, microseconds per small op (duoserve-run profile prints its "
                        "own): host-side costs scale from the profile's. [default: the profile's host]")] = None,
     charts: Annotated[bool, typer.Option(
-        help="Also run the sweeps of the charts (accuracy, cache budget, look-ahead, batch) and draw them.")] = True,
+        help="Also run the sweeps of the charts (accuracy, cache budget, look-ahead, batch, each trained predictor's "
+             "prefetch minimum score) and draw them.")] = True,
     out: Annotated[Path, typer.Option(help="Folder: simulate.json and the charts (PNG).")] = Path("sim"),
 ) -> None:
     """What each policy and predictor buys on a device: replays traces (or random routing) through the runtime's
@@ -198,7 +200,8 @@ def simulate(
                              policies=policy or ["duoserve", "on-demand", "lru"],
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
                              gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
-                             pin=pin_keys(pin), lookahead=lookahead, defer_prefetch=defer_prefetch,
+                             pin=pin_keys(pin), lookahead=lookahead, prefetch_min_score=prefetch_min_score,
+                             defer_prefetch=defer_prefetch,
                              expert_dtype=expert_dtype, requests=requests,
                              prompt_len=prompt_len, new_tokens=new_tokens, host_op_us=host_op_us)
         with progress("simulating") as update:
@@ -221,5 +224,14 @@ def simulate(
     console.print(summary)
     for note in result["notes"]:
         console.print(f"[yellow]note[/yellow]: {note}")
+    for best in result.get("best_min_score", []):
+        none = best["no_predictor_tpot_p50_ms"]
+        advice = "no predictor is faster still: on this profile its prefetch does not pay" \
+            if none is not None and none < best["tpot_p50_ms"] else \
+            f"duoserve-run generate --prefetch-min-score {best['min_score']:g}"
+        console.print(f"prefetch minimum score: {Path(best['predictor']).name} at B={best['batch_size']} is fastest at "
+                      f"{best['min_score']:g} ({best['tpot_p50_ms']:.2f} ms a token; {best['lowest_tpot_p50_ms']:.2f} "
+                      f"at {best['lowest_min_score']:g}" + (f", {none:.2f} with no predictor" if none is not None else "")
+                      + f"): {advice}")
     console.print(f"results: {out / 'simulate.json'}"
                   + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))
