@@ -48,8 +48,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "vs_no_predictor": r["tpot_ms"]["p50"] / none["tpot_ms"]["p50"]})
     table = Table(title=f"{args.model_shape} on {study.profile['device']} (simulated, profile version "
                         f"{study.profile['profile_version']}): duoserve's decode by prefetch minimum score")
-    for column in ("B", "predictor", "min score", "TPOT P50 ms", "vs min score 0", "vs no predictor",
-                   "decode GB", "decode hits", "precision"):
+    # TPOT P50 over the predictor's at min score 0 and over no predictor's; decode bytes, hits, prefetch precision
+    for column in ("B", "predictor", "min", "TPOT ms", "/ min 0", "/ none", "dec. GB", "hits", "prec."):
         table.add_column(column, justify="right")
     for r in rows:
         precision = r["prefetch_precision"]
