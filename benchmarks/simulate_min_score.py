@@ -9,6 +9,13 @@ profile's (a profile from ``duoserve-run profile`` on the GPU to serve on), byte
         --profile benchmarks/results/simulate_h100_replay_v6/h100-qwen3-30b-a3b-substrate.json \\
         --model-shape qwen3-30b-a3b-substrate --requests 40 --batch-size 1 --batch-size 8 \\
         --out benchmarks/results/simulate_min_score_substrate_h100.json
+
+The embedded model on its own trace (``make demo``'s ``out/traces``), with a paper-family predictor fitted on it:
+
+    duoserve-train fit out/traces --family paper --epochs 4 --out out/validation/embedded-predictor
+    python benchmarks/simulate_min_score.py --traces out/traces --predictor out/validation/embedded-predictor \
+        --profile h100-embedded --model-shape embedded --requests 40 \
+        --out benchmarks/results/simulate_min_score_embedded_h100.json
 """
 
 from __future__ import annotations
