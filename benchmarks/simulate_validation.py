@@ -4,7 +4,8 @@ shape (same policy, predictor, cache budget, batch, prompt, tokens and routing s
 the same draw, a replayed trace is the same rows), and simulated TTFT and time per output token set beside
 the measured ones. Needs no GPU.
 
-    python benchmarks/simulate_validation.py --out benchmarks/results/simulate_validation_h200.json
+    python benchmarks/simulate_validation.py --profiles benchmarks/results/simulate_h200_v4_profiles \
+        --out benchmarks/results/simulate_validation_h200.json
     python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
 
 Each row carries the host's pace (``host_op_us``, microseconds per small op) during its runs and during its
@@ -17,7 +18,9 @@ fetches and compute). Where the profile recorded its pace, each point is simulat
 (``unpaced``). ``--round i``: each profile's engine host costs of its round i alone (``engine_rounds``, version 5
 profiles), not the rounds' medians: what a single-round profile would have given.
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
-``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100).
+``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100). The shipped
+H200 profiles come from a later instance than the benches in ``benchmarks/results/`` (their own benches are in
+``simulate_h200_v8/``); the version 4 profiles made beside those are in ``simulate_h200_v4_profiles/``.
 """
 
 from __future__ import annotations
