@@ -626,8 +626,14 @@ def test_accuracy_report_ranks_scorers_by_what_they_buy(tmp_path, embedded_trace
     assert result.exit_code == 0, result.output
     buys = json.loads((out / "whatif.json").read_text())
     rows = {r["scorer"]: r for r in buys["rows"]}
-    assert {"trained MLP", "popularity", "oracle", "(on-demand: no prediction)", "(lru: no prediction)"} == set(rows)
+    [tuned] = [name for name in rows if name.startswith("trained MLP, min score ")]
+    assert {"trained MLP", tuned, "popularity", "oracle", "(on-demand: no prediction)",
+            "(lru: no prediction)"} == set(rows)
     assert rows["trained MLP"]["simulated_as"] == str(embedded_predictor)  # the artifact itself, not an oracle
+    # and again at the best of the other minimum scores: the score it ran at is in its name and its row
+    assert rows["trained MLP"]["prefetch_min_score"] == 0.0
+    assert rows[tuned]["simulated_as"] == str(embedded_predictor) and rows[tuned]["prefetch_min_score"] > 0
+    assert tuned == f"trained MLP, min score {rows[tuned]['prefetch_min_score']:g}"
     assert rows["popularity"]["simulated_as"] == f"oracle:{rows['popularity']['recall']:.4f}"
     assert rows["oracle"]["decode_hit_rate"] > rows["popularity"]["decode_hit_rate"]
     assert rows["oracle"]["decode_bytes"] < rows["popularity"]["decode_bytes"]  # a wrong guess costs a copy

@@ -308,8 +308,9 @@ def _recall(row: dict) -> float:
 def what_it_buys(s: SimulateSettings, recalls: dict[str, float], artifact: str | None = None,
                  trained: str = "trained MLP") -> list[dict]:
     """Simulated decode latency of each scorer of an accuracy report (``recalls``: its decode recall by name):
-    the ``trained`` one runs as itself (``artifact``); a baseline, which the runtime cannot run, as an oracle of
-    its recall; beside on-demand and lru. Rows best time per token first."""
+    the ``trained`` one runs as itself (``artifact``), and again at the best of the other ``MIN_SCORES`` (what it
+    buys tuned); a baseline, which the runtime cannot run, as an oracle of its recall (all its guesses score 1);
+    beside on-demand and lru. Rows best time per token first."""
     study = Study(s)
     B = s.batch_sizes[0]
     rows = []
@@ -317,6 +318,11 @@ def what_it_buys(s: SimulateSettings, recalls: dict[str, float], artifact: str |
         predictor = artifact if name == trained and artifact else f"oracle:{min(max(recall, 0.0), 1.0):.4f}"
         row = study.point("duoserve", predictor, B)
         rows.append({"scorer": name, "recall": recall, "simulated_as": predictor, **_latency(row)})
+        if predictor == artifact:
+            tuned = min((study.point("duoserve", artifact, B, min_score=m) for m in MIN_SCORES if m > 0),
+                        key=lambda r: r["tpot_ms"]["p50"])
+            rows.append({"scorer": f"{name}, min score {tuned['prefetch_min_score']:g}", "recall": recall,
+                         "simulated_as": artifact, **_latency(tuned)})
     for policy in ("on-demand", "lru"):
         rows.append({"scorer": f"({policy}: no prediction)", "recall": None, "simulated_as": policy,
                      **_latency(study.point(policy, "none", B))})
@@ -325,4 +331,5 @@ def what_it_buys(s: SimulateSettings, recalls: dict[str, float], artifact: str |
 
 def _latency(row: dict) -> dict:
     return {"tpot_p50_ms": row["tpot_ms"]["p50"], "ttft_p50_ms": row["ttft_ms"]["p50"],
-            "decode_bytes": row["bytes_h2d"]["decode"], "decode_hit_rate": row["hit_rate"]["decode"]}
+            "decode_bytes": row["bytes_h2d"]["decode"], "decode_hit_rate": row["hit_rate"]["decode"],
+            "prefetch_min_score": row["prefetch_min_score"]}

@@ -53,8 +53,9 @@ def accuracy(
         help="Keep the extra fits' predictors in this folder. [default: a temporary folder, removed after]")] = None,
     simulate: Annotated[Optional[str], typer.Option(
         help="A device profile (a file or a shipped one, e.g. h200-qwen3-30b-a3b): add what each scorer buys, its "
-             "simulated time per token replaying the first traces' requests (duoserve-eval simulate; a baseline "
-             "simulated as an oracle of its recall); writes whatif.json.")] = None,
+             "simulated time per token replaying the first traces' requests (duoserve-eval simulate; the trained "
+             "predictor also at its best prefetch minimum score; a baseline simulated as an oracle of its recall); "
+             "writes whatif.json.")] = None,
     model_shape: Annotated[Optional[str], typer.Option(
         help="With --simulate: the model shape. [default: the trace's model]")] = None,
     simulate_requests: Annotated[int, typer.Option(min=1, help="With --simulate: requests replayed.")] = 40,
