@@ -598,7 +598,11 @@ def test_simulate_command_replays_a_trace_with_a_trained_predictor_and_draws_the
     assert best["tpot_p50_ms"] == min(r["tpot_ms"]["p50"] for r in tried)
     assert best["min_score"] in whatif.MIN_SCORES and best["lowest_tpot_p50_ms"] == tried[0]["tpot_ms"]["p50"]
     assert best["no_predictor_tpot_p50_ms"] == rows["duoserve", "none", 1]["tpot_ms"]["p50"]
-    assert "prefetch minimum score: " + embedded_predictor.name in " ".join(result.output.split())
+    text = " ".join(result.output.split())
+    assert "prefetch minimum score: " + embedded_predictor.name in text
+    # the advice follows the figures: the score to pass, or that no predictor is faster still
+    pays = best["no_predictor_tpot_p50_ms"] >= best["tpot_p50_ms"]
+    assert (f"--prefetch-min-score {best['min_score']:g}" if pays else "its prefetch does not pay") in text
     curve = [r for r in saved["sweeps"]["accuracy"] if (r["predictor"] or "").startswith("oracle")]
     assert curve[0]["prefetch_precision"] < curve[-1]["prefetch_precision"] == 1.0  # recall 0 .. 1
     budgets = [r for r in saved["sweeps"]["budget"] if r["policy"] == "lru"]

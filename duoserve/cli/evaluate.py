@@ -226,13 +226,13 @@ def simulate(
     for note in result["notes"]:
         console.print(f"[yellow]note[/yellow]: {note}")
     for best in result.get("best_min_score", []):
-        none = best["no_predictor_tpot_p50_ms"]
-        advice = "no predictor is faster still: on this profile its prefetch does not pay" \
-            if none is not None and none < best["tpot_p50_ms"] else \
-            f"duoserve-run generate --prefetch-min-score {best['min_score']:g}"
-        console.print(f"prefetch minimum score: {Path(best['predictor']).name} at B={best['batch_size']} is fastest at "
-                      f"{best['min_score']:g} ({best['tpot_p50_ms']:.2f} ms a token; {best['lowest_tpot_p50_ms']:.2f} "
-                      f"at {best['lowest_min_score']:g}" + (f", {none:.2f} with no predictor" if none is not None else "")
-                      + f"): {advice}")
+        none, ms = best["no_predictor_tpot_p50_ms"], best["tpot_p50_ms"]
+        head = (f"prefetch minimum score: {Path(best['predictor']).name} at B={best['batch_size']} is fastest at "
+                f"{best['min_score']:g} ({ms:.2f} ms a token; {best['lowest_tpot_p50_ms']:.2f} at "
+                f"{best['lowest_min_score']:g})")
+        if none is not None and none < ms:
+            console.print(f"{head}, but {none:.2f} with no predictor: on this profile its prefetch does not pay")
+        else:
+            console.print(f"{head}: duoserve-run generate --prefetch-min-score {best['min_score']:g}")
     console.print(f"results: {out / 'simulate.json'}"
                   + (f"; charts: {', '.join(str(out / c) for c in result['charts'])}" if charts else ""))
