@@ -192,8 +192,10 @@ def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_
     L = shape.num_layers
     assert sorted((t, d) for _, t, d in deployed.table) == [(t, 1) for t in range(1, L)]  # what the prefetch asks
     history = torch.from_numpy(decode.ids.transpose(1, 0, 2).astype(np.int64))  # B x L x k
-    for (_, t, d), scores in deployed.table.items():
-        torch.testing.assert_close(scores, per_layer.scores(history, t, depth=d), rtol=0, atol=1e-5)
+    for (_, t, d), (best, ids) in deployed.table.items():  # B x k each
+        want = per_layer.scores(history, t, depth=d).topk(shape.top_k)
+        torch.testing.assert_close(best, want.values, rtol=0, atol=1e-5)
+        assert torch.equal(ids, want.indices)
     calls = []
     monkeypatch.setattr(deployed.predictor, "scores", lambda *args, **kwargs: calls.append(args))
     result = run(sim, ((0, p) for p in random_passes(shape, 2, 5, 4)))
@@ -201,6 +203,29 @@ def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_
     assert 0 < result["predictor_seconds"] < result["sim_seconds"]  # the batched scoring is timed, within the whole
     oracle = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], "oracle:0.5")
     assert run(oracle, ((0, p) for p in random_passes(shape, 2, 5, 4)))["predictor_seconds"] < 1e-3  # none scored
+
+
+def test_a_studys_points_score_a_trained_predictor_once_and_simulate_as_a_fresh_simulator_does(
+        embedded_trace, embedded_predictor, monkeypatch):
+    """Points of one study that differ only in settings (here the prefetch's minimum score) share the predictor's
+    scores on the same passes: the second point scores nothing, and its counters equal a standalone simulation's."""
+    from duoserve.bench.whatif import SimulateSettings, Study
+
+    study = Study(SimulateSettings(model_shape="embedded", profile="h200-embedded", traces=embedded_trace.path,
+                                   requests=3))
+    calls = []
+    real = TrainedPredictor.logits
+    monkeypatch.setattr(TrainedPredictor, "logits", lambda self, *a, **kw: calls.append(1) or real(self, *a, **kw))
+    first = study.point("duoserve", str(embedded_predictor), 1)
+    assert calls and first["prefetched"] > 0
+    calls.clear()
+    second = study.point("duoserve", str(embedded_predictor), 1, min_score=0.5)
+    assert not calls  # every score came from the first point's table
+    alone = run(Simulator(study.shape, study.costs, POLICIES["duoserve"], str(embedded_predictor),
+                          EngineSettings(prefetch_min_score=0.5)), study.passes(1))
+    assert calls  # a simulator of its own scores them again
+    for key in ("bytes_h2d", "copies", "hit_rate", "prefetched", "prefetch_precision", "tpot_ms", "ttft_ms"):
+        assert second[key] == alone[key], key
 
 
 def test_a_trace_with_known_reuse_moves_the_hand_counted_bytes(tmp_path):

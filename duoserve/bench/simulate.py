@@ -116,21 +116,33 @@ class _TimedPredictor:
 
     Its scores are a function of the token's routing up to the layer running, the target, the depth and the
     target's next-gate features only, so ``fill`` computes those of many passes in one batched call, and a call of
-    the schedule takes them from the table (scores equal to one call per layer up to float rounding); a pass not
-    filled ahead (``Simulator.forward`` driven without ``run``) is scored per call."""
+    the schedule takes their top k from the table (scores equal to one call per layer up to float rounding); a pass
+    not filled ahead (``Simulator.forward`` driven without ``run``) is scored per call.
+
+    ``table``: a table shared by the simulations of one predictor on the same passes (``whatif.Study``'s points,
+    which differ only in settings the scores do not depend on): kept across fills, and only what it lacks is
+    scored. It is keyed by the passes' ids, so its owner keeps those passes alive; without one, each fill starts
+    a table of its own."""
 
     on_host = False
 
-    def __init__(self, predictor: TrainedPredictor, streams: SimStreams, costs: Costs):
-        self.predictor, self.streams, self.costs = predictor, streams, costs
+    def __init__(self, predictor: TrainedPredictor, streams: SimStreams, costs: Costs, k: int,
+                 table: dict | None = None):
+        self.predictor, self.streams, self.costs, self.k = predictor, streams, costs, k
         self.nextgate, self.nextgate_scores = predictor.nextgate, predictor.nextgate_scores
         self.lookahead = predictor.lookahead
-        self.table: dict[tuple[int, int, int], torch.Tensor] = {}  # (pass key, target, depth) -> B x E scores
+        self.shared = table is not None
+        # (pass key, target, depth) -> the B x k best scores and their experts
+        self.table: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {} if table is None else table
         self.key: int | None = None  # the pass being simulated
 
     def fill(self, asks: list[tuple[int, torch.Tensor, int, int, tuple]]) -> None:
-        """Score every (pass key, B x L x k routing, target, depth, next-gate features) in one call."""
-        self.table = {}
+        """Score every (pass key, B x L x k routing, target, depth, next-gate features) in one call (those a shared
+        table lacks)."""
+        if self.shared:
+            asks = [ask for ask in asks if (ask[0], ask[2], ask[3]) not in self.table]
+        else:
+            self.table = {}
         if not asks:
             return
         sizes = [len(history) for _, history, _, _, _ in asks]
@@ -139,8 +151,9 @@ class _TimedPredictor:
         depth = torch.cat([torch.full((n,), d, dtype=torch.long) for n, (_, _, _, d, _) in zip(sizes, asks)])  # N
         features = [torch.cat(parts) for parts in zip(*(f for *_, f in asks))]  # N x m ids (and scores)
         scores = self.predictor.logits(history, target, *features, depth=depth).sigmoid()  # N x E
-        for (key, _, t, d, _), part in zip(asks, scores.split(sizes)):
-            self.table[key, t, d] = part
+        best, ids = top_k(scores, self.k)  # N x k each
+        for (key, _, t, d, _), part, part_ids in zip(asks, best.split(sizes), ids.split(sizes)):
+            self.table[key, t, d] = (part, part_ids)
 
     def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
             gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, ...]:
@@ -148,9 +161,9 @@ class _TimedPredictor:
         self.streams.host += host_ms
         self.streams.run(self.streams.predict, device_ms)
         filled = self.table.get((self.key, target, depth))
-        if filled is None:
+        if filled is None or k != self.k:
             return self.predictor.top(history, target, k, hidden, gate, depth=depth)
-        return top_k(filled, k)
+        return filled
 
     def history(self, batch: int, device: str | torch.device) -> torch.Tensor:
         return self.predictor.history(batch, device)
@@ -170,11 +183,12 @@ class Simulator:
     """``policy`` on a model of ``shape``, timed by ``costs``; ``predictor``: none, oracle[:RECALL] or an artifact
     path (a trained predictor, run on the host CPU on the pass's real routing); ``sections``: also time the engine's
     host sections on the simulated clock (``clocks.SimTimers``: what a bench run's ``host_ms`` holds), at some cost
-    in the simulator's own speed."""
+    in the simulator's own speed; ``scores``: a trained predictor's table of scores shared with other simulations of
+    it on the same pass objects (``_TimedPredictor``), which its caller keeps alive."""
 
     def __init__(self, shape: ModelShape, costs: Costs, policy: Policy, predictor: str = "none",
                  settings: EngineSettings = EngineSettings(), expert_dtype: str = "model", seed: int = 0,
-                 sections: bool = False):
+                 sections: bool = False, scores: dict | None = None):
         if policy.resident or policy.accelerate or policy.host_compute:
             raise ValueError(f"policy {policy.name} does not run the engine's schedule; simulate one of the policies "
                              "that offload through the expert cache")
@@ -198,7 +212,7 @@ class Simulator:
                 artifact.check_geometry(L, E, k)
                 # its CPU form (the embedding-bag first layer): the same function, 1.5x faster batched
                 deployed = self._trained = _TimedPredictor(TrainedPredictor(artifact, "cpu", sparse=True), self.streams,
-                                                           costs)
+                                                           costs, k, scores)
                 if deployed.nextgate:
                     next_gate = [None] + [self._next_gate_of(t, deployed.nextgate, deployed.nextgate_scores)
                                           for t in range(1, L)]

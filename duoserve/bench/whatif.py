@@ -13,7 +13,8 @@ from pathlib import Path
 
 from duoserve.bench.drivers import RandomRouting, is_artifact
 from duoserve.bench.costs import Costs, resolve_profile
-from duoserve.bench.simulate import ModelShape, Simulator, generation_passes, run, trace_passes, trace_requests
+from duoserve.bench.simulate import (ModelShape, Pass, Simulator, generation_passes, run, trace_passes,
+                                     trace_requests)
 from duoserve.files import atomic_path
 from duoserve.runtime.policies import get_policy
 from duoserve.runtime.settings import EngineSettings
@@ -70,8 +71,18 @@ class Study:
         self.costs = Costs(self.profile, s.host_op_us)
         self.requests = trace_requests(s.traces, self.shape, s.requests) if s.traces is not None else None
         self._done: dict[tuple, dict] = {}  # (policy, predictor, batch, settings) -> its simulation
+        self._passes: dict[int, list[tuple[int, Pass]]] = {}  # batch -> its (batch index, pass) pairs, drawn once
+        # (trained predictor, batch) -> its scores on those passes: they depend on neither the policy nor the settings
+        self._scores: dict[tuple[str, int], dict] = {}
 
-    def passes(self, batch: int) -> Iterator:
+    def passes(self, batch: int) -> list[tuple[int, Pass]]:
+        """The (batch index, pass) pairs of ``batch``: the same pass objects at every point, so a trained predictor's
+        scores, keyed by them, are computed once (``Simulator``'s ``scores``)."""
+        if batch not in self._passes:
+            self._passes[batch] = list(self._draw(batch))
+        return self._passes[batch]
+
+    def _draw(self, batch: int) -> Iterator[tuple[int, Pass]]:
         s = self.s
         if self.requests is not None:
             yield from trace_passes(self.requests, batch)
@@ -93,8 +104,9 @@ class Study:
         predictor = predictor if get_policy(policy).predict else None
         key = (policy, predictor, batch, settings)
         if key not in self._done:  # a sweep's point may be the grid's (or another sweep's): simulated once
+            scores = self._scores.setdefault((predictor, batch), {}) if predictor and is_artifact(predictor) else None
             sim = Simulator(self.shape, self.costs, get_policy(policy), predictor or "none", settings,
-                            self.s.expert_dtype, self.s.seed)
+                            self.s.expert_dtype, self.s.seed, scores=scores)
             self._done[key] = run(sim, self.passes(batch))
         return {"policy": policy, "predictor": predictor, "batch_size": batch,
                 "gpu_expert_budget": settings.gpu_expert_budget, "lookahead": settings.lookahead,
