@@ -190,12 +190,13 @@ def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_
     decode = next(p for p in random_passes(shape, 2, 5, 3) if p.phase == "decode")
     sim.predict_ahead([decode])
     L = shape.num_layers
-    assert sorted((t, d) for _, t, d in deployed.table) == [(t, 1) for t in range(1, L)]  # what the prefetch asks
+    assert sorted(deployed.rows) == [(t, 1) for t in range(1, L)]  # what the prefetch asks: (target, depth)
     history = torch.from_numpy(decode.ids.transpose(1, 0, 2).astype(np.int64))  # B x L x k
-    for (_, t, d), (best, ids) in deployed.table.items():  # B x k each
+    best, ids = deployed.table[id(decode)]  # A x B x k each: the pass's asks in turn
+    for (t, d), a in deployed.rows.items():
         want = per_layer.scores(history, t, depth=d).topk(shape.top_k)
-        torch.testing.assert_close(best, want.values, rtol=0, atol=1e-5)
-        assert torch.equal(ids, want.indices)
+        torch.testing.assert_close(best[a], want.values, rtol=0, atol=1e-5)
+        assert torch.equal(ids[a], want.indices)
     calls = []
     monkeypatch.setattr(deployed.predictor, "scores", lambda *args, **kwargs: calls.append(args))
     result = run(sim, ((0, p) for p in random_passes(shape, 2, 5, 4)))

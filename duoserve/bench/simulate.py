@@ -119,10 +119,10 @@ class _TimedPredictor:
     the schedule takes their top k from the table (scores equal to one call per layer up to float rounding); a pass
     not filled ahead (``Simulator.forward`` driven without ``run``) is scored per call.
 
-    ``table``: a table shared by the simulations of one predictor on the same passes (``whatif.Study``'s points,
-    which differ only in settings the scores do not depend on): kept across fills, and only what it lacks is
-    scored. It is keyed by the passes' ids, so its owner keeps those passes alive; without one, each fill starts
-    a table of its own."""
+    ``table``: a table shared by the simulations of one predictor at one look-ahead on the same passes
+    (``whatif.Study``'s points, which differ only in settings the scores do not depend on): kept across fills, and
+    a pass it holds is not scored again. It is keyed by the passes' ids, so its owner keeps those passes alive;
+    without one, each fill starts a table of its own."""
 
     on_host = False
 
@@ -132,38 +132,41 @@ class _TimedPredictor:
         self.nextgate, self.nextgate_scores = predictor.nextgate, predictor.nextgate_scores
         self.lookahead = predictor.lookahead
         self.shared = table is not None
-        # (pass key, target, depth) -> the B x k best scores and their experts
-        self.table: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {} if table is None else table
+        # pass key -> the A x B x k best scores of its A asks and their experts (one pair of tensors a pass: a trace's
+        # passes are many)
+        self.table: dict[int, tuple[torch.Tensor, torch.Tensor]] = {} if table is None else table
+        self.rows: dict[tuple[int, int], int] = {}  # (target, depth) -> its ask's row in a pass's entry
         self.key: int | None = None  # the pass being simulated
 
-    def fill(self, asks: list[tuple[int, torch.Tensor, int, int, tuple]]) -> None:
-        """Score every (pass key, B x L x k routing, target, depth, next-gate features) in one call (those a shared
-        table lacks)."""
-        if self.shared:
-            asks = [ask for ask in asks if (ask[0], ask[2], ask[3]) not in self.table]
-        else:
+    def fill(self, passes: list[tuple[int, torch.Tensor, list[tuple]]], asks: list[tuple[int, int]]) -> None:
+        """Score the (target, depth) ``asks`` of every pass of ``passes`` ((pass key, B x L x k routing, each ask's
+        next-gate features)) in one call (the caller leaves out those a shared table holds)."""
+        if not self.shared:
             self.table = {}
-        if not asks:
+        self.rows = {ask: a for a, ask in enumerate(asks)}
+        if not passes or not asks:
             return
-        sizes = [len(history) for _, history, _, _, _ in asks]
-        history = torch.cat([h for _, h, _, _, _ in asks])  # N x L x k
-        target = torch.cat([torch.full((n,), t, dtype=torch.long) for n, (_, _, t, _, _) in zip(sizes, asks)])  # N
-        depth = torch.cat([torch.full((n,), d, dtype=torch.long) for n, (_, _, _, d, _) in zip(sizes, asks)])  # N
-        features = [torch.cat(parts) for parts in zip(*(f for *_, f in asks))]  # N x m ids (and scores)
+        A = len(asks)
+        sizes = [A * len(h) for _, h, _ in passes]  # each pass's rows: its A asks in turn, B each
+        history = torch.cat([h.repeat(A, 1, 1) for _, h, _ in passes])  # N x L x k
+        per_ask = torch.tensor(asks)  # A x 2: target, depth
+        target = torch.cat([per_ask[:, 0].repeat_interleave(len(h)) for _, h, _ in passes])  # N
+        depth = torch.cat([per_ask[:, 1].repeat_interleave(len(h)) for _, h, _ in passes])  # N
+        features = [torch.cat(parts) for parts in zip(*(f for *_, each in passes for f in each))]  # N x m (ids, scores)
         scores = self.predictor.logits(history, target, *features, depth=depth).sigmoid()  # N x E
         best, ids = top_k(scores, self.k)  # N x k each
-        for (key, _, t, d, _), part, part_ids in zip(asks, best.split(sizes), ids.split(sizes)):
-            self.table[key, t, d] = (part, part_ids)
+        for (key, h, _), part, part_ids in zip(passes, best.split(sizes), ids.split(sizes)):
+            self.table[key] = (part.view(A, len(h), self.k), part_ids.view(A, len(h), self.k))  # A x B x k each
 
     def top(self, history: torch.Tensor, target: int, k: int, hidden: torch.Tensor | None = None,
             gate: Gate | None = None, depth: int = 1) -> tuple[torch.Tensor, ...]:
         host_ms, device_ms = self.costs.predictor_ms(len(history))
         self.streams.host += host_ms
         self.streams.run(self.streams.predict, device_ms)
-        filled = self.table.get((self.key, target, depth))
-        if filled is None or k != self.k:
+        filled, row = self.table.get(self.key), self.rows.get((target, depth))
+        if filled is None or row is None or k != self.k:
             return self.predictor.top(history, target, k, hidden, gate, depth=depth)
-        return filled
+        return filled[0][row], filled[1][row]  # B x k each
 
     def history(self, batch: int, device: str | torch.device) -> torch.Tensor:
         return self.predictor.history(batch, device)
@@ -245,18 +248,16 @@ class Simulator:
         if self._trained is None or plan is None:
             return
         started = time.perf_counter()
-        asks = [(l, t) for l in range(self.shape.num_layers) for t in plan.targets(l)]  # (layer, target)
-        table = []
+        asks = [(t, t - l) for l in range(self.shape.num_layers) for t in plan.targets(l)]  # (target, depth)
+        todo = []
         for p in passes:
-            if p.phase != "decode":
+            if p.phase != "decode" or (self._trained.shared and id(p) in self._trained.table):
                 continue
             history = torch.from_numpy(p.ids.transpose(1, 0, 2).astype(np.int64))  # B x L x k: reads layers <= l only
             self._nextgate = p.nextgate
-            for l, t in asks:
-                features = plan.next_gate[t](None) if plan.next_gate else ()
-                table.append((id(p), history, t, t - l, features))
+            todo.append((id(p), history, [plan.next_gate[t](None) if plan.next_gate else () for t, _ in asks]))
         self._nextgate = None
-        self._trained.fill(table)
+        self._trained.fill(todo, asks)
         self.predictor_seconds += time.perf_counter() - started
 
     def forward(self, p: Pass) -> float:

@@ -72,8 +72,9 @@ class Study:
         self.requests = trace_requests(s.traces, self.shape, s.requests) if s.traces is not None else None
         self._done: dict[tuple, dict] = {}  # (policy, predictor, batch, settings) -> its simulation
         self._passes: dict[int, list[tuple[int, Pass]]] = {}  # batch -> its (batch index, pass) pairs, drawn once
-        # (trained predictor, batch) -> its scores on those passes: they depend on neither the policy nor the settings
-        self._scores: dict[tuple[str, int], dict] = {}
+        # (trained predictor, batch, look-ahead) -> its scores on those passes, which no other setting and no policy
+        # changes
+        self._scores: dict[tuple[str, int, int], dict] = {}
 
     def passes(self, batch: int) -> list[tuple[int, Pass]]:
         """The (batch index, pass) pairs of ``batch``: the same pass objects at every point, so a trained predictor's
@@ -104,7 +105,8 @@ class Study:
         predictor = predictor if get_policy(policy).predict else None
         key = (policy, predictor, batch, settings)
         if key not in self._done:  # a sweep's point may be the grid's (or another sweep's): simulated once
-            scores = self._scores.setdefault((predictor, batch), {}) if predictor and is_artifact(predictor) else None
+            scores = self._scores.setdefault((predictor, batch, settings.lookahead), {}) \
+                if predictor and is_artifact(predictor) else None
             sim = Simulator(self.shape, self.costs, get_policy(policy), predictor or "none", settings,
                             self.s.expert_dtype, self.s.seed, scores=scores)
             self._done[key] = run(sim, self.passes(batch))
