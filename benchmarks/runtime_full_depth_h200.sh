@@ -17,9 +17,11 @@
 #   PART=qwen-fp8    Qwen with experts stored fp8 (29 GB): duoserve (oracle:1) and on-demand, B=1 and 8, prompt
 #                    512, beside the bf16 accelerate part: the precision in which the TTFT target can be tried
 #                    -> runtime_full_fp8_qwen3-30b-a3b_h200.json
-#   PART=dtypes      issue 27's ratios in one process: duoserve (oracle:1) on Qwen's experts stored bf16, fp8 and
-#                    int4 (58 + 29 + 15 GB of pinned host memory), B=1 and 8, prompt 512, 16 tokens, two rounds
-#                    interleaved (REPEATS) -> runtime_full_dtypes_qwen3-30b-a3b_h200.json
+#   PART=dtypes      issue 27's ratios: duoserve (oracle:1) on Qwen's experts stored bf16 beside each quantized format
+#                    in one process (FORMATS, default "int4 fp8": one process each, bf16 + int4 = 58 + 15 GB, bf16 + fp8
+#                    = 58 + 29 GB of pinned host memory; all three in one process were killed on a 125 GB H200 host),
+#                    B=1 and 8, prompt 512, 16 tokens, two rounds interleaved (REPEATS)
+#                    -> runtime_full_dtypes_{int4,fp8}_qwen3-30b-a3b_h200.json
 #   PART=ttft-pair   the TTFT target's two sides in one device call, one process each: duoserve (oracle:1) on fp8
 #                    experts (16 tokens) and Accelerate's pinned offload (bf16, 8 tokens), B=1 and 8, prompt 512
 #                    -> runtime_full_pair_{fp8,accelerate}_qwen3-30b-a3b_h200.json
@@ -62,9 +64,11 @@ qwen-fp8)
         --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 --predictor oracle:1 --policy duoserve --policy on-demand \
         --policy all-resident-compiled --out "$OUT/runtime_full_fp8_qwen3-30b-a3b_h200.json" ;;
 dtypes)
-    bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype model --expert-dtype fp8 --expert-dtype int4 --batch-size 1 \
-        --batch-size 8 --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" --predictor oracle:1 --policy duoserve \
-        --out "$OUT/runtime_full_dtypes_qwen3-30b-a3b_h200.json" ;;
+    for fmt in ${FORMATS:-int4 fp8}; do
+        bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype model --expert-dtype "$fmt" --batch-size 1 --batch-size 8 \
+            --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" --predictor oracle:1 --policy duoserve \
+            --out "$OUT/runtime_full_dtypes_${fmt}_qwen3-30b-a3b_h200.json"
+    done ;;
 ttft-pair)
     bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype fp8 --batch-size 1 --batch-size 8 --prompt-len 512 \
         --new-tokens 16 --predictor oracle:1 --policy duoserve --out "$OUT/runtime_full_pair_fp8_qwen3-30b-a3b_h200.json"
