@@ -11,13 +11,25 @@ on an idle device: its host milliseconds (its work not waited for) and its wall 
 median of ``--calls`` calls cycling through the layers (so none finds its experts cached), and the host per group
 (each call's host time over the groups its own routing needs). Needs a GPU for figures that mean anything
 (on the CPU the kernels run inside the host's time).
+
+``--policy`` picks the policies (default lru and on-demand), ``--expert-dtype fp8|int4`` stores the experts
+quantized (the copy-then-dequantize groups of the whole cache), and ``--python-profile N`` also profiles the timed
+calls of each row with cProfile and keeps its N costliest functions by own time (``profile``: where a group's host
+time goes; cProfile's own cost inflates the small ones):
+
+    python3 benchmarks/group_host_probe.py --shape qwen3-30b-a3b --layers 8 --tokens 512 --policy duoserve \
+        --expert-dtype int4 --python-profile 25 --out RESULT.json
 """
 
 from __future__ import annotations
 
+import cProfile
+import io
+import pstats
 import statistics
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -30,6 +42,7 @@ from duoserve.bench.shapes import model_source
 from duoserve.loading import model_from_config, resolve_device
 from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.policies import POLICIES
+from duoserve.runtime.quant import make_store
 from duoserve.runtime.settings import EngineSettings
 
 
@@ -40,6 +53,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="prompt lengths (default: E/k, 64, 512)")
     ap.add_argument("--calls", type=int, default=12)
     ap.add_argument("--device", default="auto")
+    ap.add_argument("--policy", action="append", default=None, choices=("lru", "on-demand", "duoserve"),
+                    help="policies to probe (repeat; default lru and on-demand)")
+    ap.add_argument("--expert-dtype", default="model", choices=("model", "fp8", "int4"),
+                    help="store the experts in this format (model: as the model holds them)")
+    ap.add_argument("--python-profile", type=int, default=0, metavar="N",
+                    help="also cProfile the timed calls and keep the N costliest functions by own time")
     args = ap.parse_args(argv)
     device = resolve_device(args.device)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
@@ -47,13 +66,16 @@ def main(argv: list[str] | None = None) -> dict:
         model = model_from_config(model_source(args.shape, folder), device, dtype, args.layers)
     stores, (L, E, k) = packed_experts(model, device)
     H, hdtype = model.config.get_text_config().hidden_size, stores[0].layout.dtype
+    if args.expert_dtype != "model":
+        stores = [make_store(store.params(device), args.expert_dtype, pin=device.type == "cuda") for store in stores]
     rng = np.random.default_rng(0)
     rows = []
-    for policy in ("lru", "on-demand"):
+    for policy in args.policy or ["lru", "on-demand"]:
         for T in args.tokens or [E // k, 64, 512]:
             hidden = torch.randn(T, H, dtype=hdtype, device=device)  # T x H
             weights = torch.full((T, k), 1.0 / k, dtype=hdtype, device=device)  # T x k
             host, wall, groups = [], [], []  # per call
+            profiler = cProfile.Profile() if args.python_profile else None
             with torch.no_grad(), OffloadEngine(model, stores, POLICIES[policy],
                                                 settings=EngineSettings(step_graphs=False)) as engine:
                 engine.phase = "prefill"
@@ -61,8 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
                     ids = random_ids(rng, T, 1, E, k)[:, 0]  # T x k
                     idx = torch.as_tensor(ids, device=device)
                     sync(device)
+                    timed = profiler is not None and i >= L
                     start = time.perf_counter()
+                    if timed:
+                        profiler.enable()
                     engine.run_layer(i % L, hidden, idx, weights)
+                    if timed:
+                        profiler.disable()
                     mid = time.perf_counter()
                     sync(device)
                     end = time.perf_counter()
@@ -73,7 +100,9 @@ def main(argv: list[str] | None = None) -> dict:
             row = {"policy": policy, "tokens": T, "groups": statistics.median(groups),
                    "host_ms": statistics.median(host), "wall_ms": statistics.median(wall),
                    "host_per_group_ms": statistics.median(h / n for h, n in zip(host, groups)),
-                   "host_op_us": host_op_us(device)}
+                   "host_op_us": host_op_us(device), "expert_dtype": args.expert_dtype}
+            if profiler is not None:
+                row["profile"] = _costliest(profiler, args.python_profile, args.calls)
             rows.append(row)
             print(f"{policy:>9} T={T:>4}: {row['groups']:.0f} groups, host {row['host_ms']:.2f} ms "
                   f"({row['host_per_group_ms']:.3f} a group), wall {row['wall_ms']:.2f} ms, "
@@ -81,6 +110,16 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"shape": args.shape, "layers": L, "geometry": [L, E, k], "device": str(device), "rows": rows}
     write_result(args.out, result)
     return result
+
+
+def _costliest(profiler: cProfile.Profile, count: int, calls: int) -> list[dict]:
+    """The ``count`` functions of most own time in ``profiler``'s calls: microseconds a layer call, own and with
+    what they call, and how often a call runs each."""
+    stats = pstats.Stats(profiler, stream=io.StringIO()).stats
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "own_us": own / calls * 1e6,
+             "cumulative_us": cumulative / calls * 1e6, "per_call": n / calls}
+            for (file, line, name), (_, n, own, cumulative, _) in stats.items()]
+    return sorted(rows, key=lambda r: -r["own_us"])[:count]
 
 
 if __name__ == "__main__":
