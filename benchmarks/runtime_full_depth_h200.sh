@@ -22,6 +22,11 @@
 #                    = 58 + 29 GB of pinned host memory; all three in one process were killed on a 125 GB H200 host),
 #                    B=1 and 8, prompt 512, 16 tokens, two rounds interleaved (REPEATS)
 #                    -> runtime_full_dtypes_{int4,fp8}_qwen3-30b-a3b_h200.json
+#   PART=int4-cache  int4 experts' prefill against the cache's size: duoserve (oracle:1) on Qwen's experts stored int4
+#                    with the default cache (2k = 16 slots) and with 32 slots (288MiB of bf16 rows), one process each,
+#                    B=1 and 8, prompt 512, 16 tokens, two rounds (the quantized prefill's groups take the whole cache;
+#                    each costs the host about as much as its int4 copies take)
+#                    -> runtime_full_int4_cache_{16,32}_qwen3-30b-a3b_h200.json
 #   PART=ttft-pair   the TTFT target's two sides in one device call, one process each: duoserve (oracle:1) on fp8
 #                    experts (16 tokens) and Accelerate's pinned offload (bf16, 8 tokens), B=1 and 8, prompt 512
 #                    -> runtime_full_pair_{fp8,accelerate}_qwen3-30b-a3b_h200.json
@@ -43,7 +48,7 @@ NEW_TOKENS=${NEW_TOKENS:-32}
 SHAPES=$(mktemp -d)
 for name in qwen3-30b-a3b mixtral-8x7b; do python3 -m duoserve.bench.shapes "$name" "$SHAPES/$name"; done
 bench() { python3 -m duoserve.cli.run bench --config-only --routing random "$@"; }
-case "${PART:?set PART to qwen, qwen-fp8, dtypes, accelerate, mixtral, ttft-pair, mixtral-pair, pageable or cpu}" in
+case "${PART:?set PART to qwen, qwen-fp8, dtypes, int4-cache, accelerate, mixtral, ttft-pair, mixtral-pair, pageable or cpu}" in
 qwen)
     bench --model "$SHAPES/qwen3-30b-a3b" --grid axes --batch-size 1 --batch-size 8 --batch-size 4 --batch-size 16 \
         --prompt-len 512 --prompt-len 128 --prompt-len 2048 --new-tokens "$NEW_TOKENS" --baseline-new-tokens 8 \
@@ -68,6 +73,12 @@ dtypes)
         bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype model --expert-dtype "$fmt" --batch-size 1 --batch-size 8 \
             --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" --predictor oracle:1 --policy duoserve \
             --out "$OUT/runtime_full_dtypes_${fmt}_qwen3-30b-a3b_h200.json"
+    done ;;
+int4-cache)
+    for slots in 16 32; do
+        bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype int4 --gpu-expert-budget "$(( slots * 9 ))MiB" \
+            --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" \
+            --predictor oracle:1 --policy duoserve --out "$OUT/runtime_full_int4_cache_${slots}_qwen3-30b-a3b_h200.json"
     done ;;
 ttft-pair)
     bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype fp8 --batch-size 1 --batch-size 8 --prompt-len 512 \
