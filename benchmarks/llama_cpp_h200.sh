@@ -15,8 +15,8 @@
 # llama-batched-bench with every layer on the GPU and (a) the experts of all layers on the CPU (--n-cpu-moe LAYERS,
 # llama.cpp's offload for MoE models too large for the GPU) and (b) everything on the GPU; then duoserve's bench on
 # the same shape (duoserve, cpu-experts, on-demand, all-resident, all-resident-compiled). Results:
-#   $OUT/llama_cpp_<MODEL>_h200.json (llama.cpp's jsonl rows, parsed) and $OUT/runtime_vs_llama_cpp_h200.json (Mixtral;
-#   runtime_vs_llama_cpp_qwen3-30b-a3b_h200.json for Qwen).
+#   $OUT/llama_cpp_<MODEL>_<GPU>.json (llama.cpp's jsonl rows, parsed) and $OUT/runtime_vs_llama_cpp_<GPU>.json (Mixtral;
+#   runtime_vs_llama_cpp_qwen3-30b-a3b_<GPU>.json for Qwen), GPU h200, or h100 where an H100 ran it.
 # DUOSERVE=0 stops after llama.cpp (the build takes minutes of a 10-minute call).
 # The model's own routers run in llama.cpp (random weights make them degenerate: a few experts take every token),
 # uniform random routing in duoserve's bench; at B=1 each token computes k experts either way.
@@ -29,6 +29,7 @@ PROMPT=${PROMPT:-512}
 NEW=${NEW:-32}
 WORK=${WORK:-/tmp/llama-work}
 mkdir -p "$WORK" "$OUT"
+GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H100 && echo h100 || echo h200)
 if [ ! -x "$WORK/build/bin/llama-batched-bench" ]; then
     tar xzf "$LLAMA_SRC" -C "$WORK"
     start=$(date +%s)
@@ -39,8 +40,8 @@ if [ ! -x "$WORK/build/bin/llama-batched-bench" ]; then
     echo "llama.cpp built in $(( $(date +%s) - start )) s"
 fi
 case $MODEL in
-    mixtral-8x7b) cache=(--gpu-expert-budget 705MB); vs="$OUT/runtime_vs_llama_cpp_h200.json" ;;  # a 2-expert cache
-    qwen3-30b-a3b) cache=(); vs="$OUT/runtime_vs_llama_cpp_${MODEL}_h200.json" ;;
+    mixtral-8x7b) cache=(--gpu-expert-budget 705MB); vs="$OUT/runtime_vs_llama_cpp_$GPU.json" ;;  # a 2-expert cache
+    qwen3-30b-a3b) cache=(); vs="$OUT/runtime_vs_llama_cpp_${MODEL}_$GPU.json" ;;
     *) echo "unknown MODEL $MODEL" >&2; exit 2 ;;
 esac
 gguf="$WORK/$MODEL-$LAYERS.gguf"
@@ -58,7 +59,7 @@ run() {  # $1: placement name, rest: llama.cpp placement flags
         | sed -n "s/^{/{\"placement\": \"$name\", /p"
 }
 { run cpu-moe --n-cpu-moe "$LAYERS"; run all-gpu; } > "$WORK/rows.jsonl"
-python3 - "$WORK/rows.jsonl" "$OUT/llama_cpp_${MODEL}_h200.json" "$LAYERS" "$MODEL" "$0" <<'PY'
+python3 - "$WORK/rows.jsonl" "$OUT/llama_cpp_${MODEL}_$GPU.json" "$LAYERS" "$MODEL" "$0" <<'PY'
 import json, sys
 from pathlib import Path
 from duoserve.bench.results import write_result
