@@ -38,8 +38,8 @@
 #                    Qwen then Mixtral, B=1 and 8, prompt 512, 3 tokens (seconds a token)
 #                    -> runtime_full_pageable_{qwen3-30b-a3b,mixtral-8x7b}_h200.json
 #   PART=cpu         Qwen's routed experts computed on the host CPU (cpu-experts, in place in the packed store)
-#                    beside duoserve and on-demand on that one copy, B=1 and 8, prompt 512 (llama.cpp's converter
-#                    cannot take Qwen's shape: this is its stand-in) -> runtime_full_cpu_qwen3-30b-a3b_h200.json
+#                    beside duoserve and on-demand on that one copy, B=1 and 8, prompt 512 (llama.cpp itself on
+#                    Qwen's shape, 16 layers: llama_cpp_h200.sh) -> runtime_full_cpu_qwen3-30b-a3b_h200.json
 # python benchmarks/runtime_sweep.py merges a model's files (ratios against the accelerate part's runs come from
 # a second process on the same machine) and draws TPOT versus batch and TTFT versus prompt length.
 set -euo pipefail
