@@ -729,6 +729,21 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
     assert out["held_unpaced"] == sum(r["unpaced"]["within"] for r in out["rows"])
 
 
+def test_a_bench_run_is_replayed_with_the_cache_it_had():
+    """A bench run without a budget ran the engine's default cache of its version: the validation replays the
+    ``cache_slots`` it recorded (here an int4 run of 11 slots, where today's default over int4 experts is 16), and a
+    run that recorded none gets today's default."""
+    from duoserve.bench.costs import resolve_profile
+
+    validation = load_benchmark("simulate_validation")
+    shape, costs = ModelShape.of("embedded"), Costs(resolve_profile("h200-embedded"))
+    bench = {"gpu_expert_budget": None, "lookahead": 1, "prefetch_min_score": 0.0, "defer_prefetch": True}
+    run_ = {"policy": "lru", "predictor": None, "expert_dtype": "int4", "batch_size": 1, "prompt_len": 4,
+            "new_tokens": 3}
+    assert validation.simulate_run(bench, {**run_, "cache_slots": 11}, shape, costs, None)["cache_slots"] == 11
+    assert validation.simulate_run(bench, run_, shape, costs, None)["cache_slots"] == 4 * shape.top_k
+
+
 SUBSTRATE_TRACE = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "substrate" / "traces"
 
 
