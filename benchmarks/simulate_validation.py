@@ -58,10 +58,10 @@ BENCHES = {
 
 def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: str | None) -> dict:
     """One bench run simulated: its warm-up and timed generation on a fresh engine, as the bench ran them."""
-    # a bench file from before the deferred decode prefetch ran it within the layer call
     budget = bench["gpu_expert_budget"]
     if budget is None and r.get("cache_slots"):  # the cache the run had: the default is not the same in every version
         budget = r["cache_slots"] * shape.layout.nbytes
+    # a bench file from before the deferred decode prefetch ran it within the layer call
     settings = EngineSettings(gpu_expert_budget=budget, lookahead=bench["lookahead"],
                               prefetch_min_score=bench["prefetch_min_score"],
                               defer_prefetch=bench.get("defer_prefetch", False))

@@ -65,7 +65,7 @@ def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: in
     ``store`` holds up to twice as many, enough that the cache's slots store ``QUANTIZED_GROUP_BYTES``: its prefill
     computes the fetched experts in groups of the whole cache (``schedule.py``), and a group's host time does not
     shrink with its bytes, so groups of a quarter of the bytes (int4) left the copy stream idle (Qwen3-30B-A3B at 48
-    layers on an H100, B=1: TTFT 0.63-0.69 s with 16 slots, 0.33-0.39 s with 32: runtime_full_int4_cache_*_qwen3-30b-a3b_h100.json."""
+    layers on an H100, B=1: TTFT 0.63-0.69 s with 16 slots, 0.33-0.39 s with 32; benchmarks/results/int4_cache_h100)."""
     if policy.host_compute:
         return 1  # nothing is computed from the device cache
     if policy.prefetch_layer:
