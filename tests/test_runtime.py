@@ -1177,7 +1177,10 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in profile["layer_ms"])
     assert all(r[f"{p}_device_ms"] >= 0 for r in profile["layer_ms"] for p in ("decode", "prefill"))
     assert profile["module_copy_ms"] > 0 and profile["group_host_us"] >= 0
-    assert [r["slots"] for r in profile["fetch_host_us"]] == [2 * k] and profile["fetch_host_us"][0]["us"] >= profile["copy_host_us"]
+    # the default cache and the larger default over int4 experts (the toy's tiny experts: twice it); no heap-ranked
+    # one, as the model has fewer experts than that
+    assert [r["slots"] for r in profile["fetch_host_us"]] == [2 * k, 4 * k]
+    assert all(r["us"] >= profile["copy_host_us"] for r in profile["fetch_host_us"])
     assert [r["batch"] for r in profile["predictor_ms"]] == [1, 2]
     pace = profile["host_op_us"]  # the host's pace while profiling, the gauge each bench run records beside its own
     assert 0 < pace["min"] <= pace["median"] <= pace["max"]

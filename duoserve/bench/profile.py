@@ -24,8 +24,9 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 queues their copies there and spends the rest while they run (profiles before version 4 lack it;
                 the simulator then charges the whole call before the copies)
   fetch_host_us what each expert fetched on a miss adds to a call's host time (the cache's victim choice and
-                books, the copy queued), by cache size: a scanned cache and, where the model has the experts, a
-                heap-ranked one; timed inside real generations too, from the engine's own fetch section (version 4:
+                books, the copy queued), by cache size: scanned caches (the default's, and the larger default over
+                int4 experts, ``scheduler.default_capacity``) and, where the model has the experts, a heap-ranked
+                one; timed inside real generations too, from the engine's own fetch section (version 4:
                 the difference of two engines' whole calls). ``dequant_host_us`` (version 8; not required): what
                 each dequantization pass of a quantized fetch adds to it, by stored expert dtype (the slot ids'
                 upload, the pass's launch or graph replay, its events), from decode calls of an engine over these
@@ -95,7 +96,7 @@ from duoserve.runtime.plugin import ExpertsPlugin
 from duoserve.runtime.policies import POLICIES
 from duoserve.runtime.quant import QuantizedExperts, dequantizer, make_store, stage_chunk
 from duoserve.runtime.schedule import FETCH_SECTION
-from duoserve.runtime.scheduler import ROUTING_SECTION
+from duoserve.runtime.scheduler import ROUTING_SECTION, default_capacity
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
@@ -394,7 +395,9 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
                     launch_us[B] = statistics.median(launches)
 
         fetch = []
-        for slots in sorted({2 * k, 128} & set(range(2 * k, L * E // 2 + 1))):  # a scanned cache and a heap-ranked one
+        # a scanned cache (the default's, and the larger one over int4 experts) and a heap-ranked one
+        sizes = {2 * k, default_capacity(POLICIES["duoserve"], E, k, 1, quantized["int4"][0]), 128}
+        for slots in sorted(sizes & set(range(2 * k, L * E // 2 + 1))):
             timed = misses(stores, slots)
             # the engine's own fetch section of each call with misses, less its time with none: read in one call, not
             # a difference of two engines' whole calls (which read 3.9 and 53.5 us on one H100 minutes apart)
