@@ -13,8 +13,8 @@ profile's (a profile from ``duoserve-run profile`` on the GPU to serve on), byte
 The embedded model on its own trace (``make demo``'s ``out/traces``), with a paper-family predictor fitted on it:
 
     duoserve-train fit out/traces --family paper --epochs 4 --out out/validation/embedded-predictor
-    python benchmarks/simulate_min_score.py --traces out/traces --predictor out/validation/embedded-predictor \
-        --profile h100-embedded --model-shape embedded --requests 40 \
+    python benchmarks/simulate_min_score.py --traces out/traces --predictor out/validation/embedded-predictor \\
+        --profile h100-embedded --model-shape embedded --requests 40 \\
         --out benchmarks/results/simulate_min_score_embedded_h100.json
 """
 

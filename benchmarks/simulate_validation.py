@@ -4,7 +4,7 @@ shape (same policy, predictor, cache budget, batch, prompt, tokens and routing s
 the same draw, a replayed trace is the same rows), and simulated TTFT and time per output token set beside
 the measured ones. Needs no GPU.
 
-    python benchmarks/simulate_validation.py --profiles benchmarks/results/simulate_h200_v4_profiles \
+    python benchmarks/simulate_validation.py --profiles benchmarks/results/simulate_h200_v4_profiles \\
         --out benchmarks/results/simulate_validation_h200.json
     python benchmarks/simulate_validation.py --machine h100 --out benchmarks/results/simulate_validation_h100.json
 

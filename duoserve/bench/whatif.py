@@ -217,13 +217,22 @@ def best_min_scores(points: list[dict]) -> list[dict]:
     time at the lowest minimum tried and the time with no predictor."""
     none = next((r["tpot_ms"]["p50"] for r in points if r["predictor"] == "none"), None)
     best = []
-    for predictor in dict.fromkeys(r["predictor"] for r in points if r["predictor"] != "none"):
-        tried = sorted((r for r in points if r["predictor"] == predictor), key=lambda r: r["prefetch_min_score"])
+    for predictor, tried in _by_predictor(points).items():
+        tried = sorted(tried, key=lambda r: r["prefetch_min_score"])
         top = _fastest(tried)
         best.append({"predictor": predictor, "batch_size": top["batch_size"], "min_score": top["prefetch_min_score"],
                      "tpot_p50_ms": top["tpot_ms"]["p50"], "lowest_min_score": tried[0]["prefetch_min_score"],
                      "lowest_tpot_p50_ms": tried[0]["tpot_ms"]["p50"], "no_predictor_tpot_p50_ms": none})
     return best
+
+
+def _by_predictor(points: list[dict]) -> dict[str, list[dict]]:
+    """The min-score sweep's points of each trained predictor, in their order (duoserve with no predictor left out)."""
+    by: dict[str, list[dict]] = {}
+    for r in points:
+        if r["predictor"] != "none":
+            by.setdefault(r["predictor"], []).append(r)
+    return by
 
 
 def _fastest(points: Iterable[dict]) -> dict:
@@ -309,8 +318,7 @@ def draw_charts(result: dict, folder: Path) -> list[str]:
         for r in sweeps["min_score"]:
             if r["predictor"] == "none":
                 ax.axhline(r["tpot_ms"]["p50"], ls="--", lw=1, color="gray", label="duoserve, no predictor")
-        for predictor in dict.fromkeys(r["predictor"] for r in sweeps["min_score"] if r["predictor"] != "none"):
-            points = [r for r in sweeps["min_score"] if r["predictor"] == predictor]
+        for predictor, points in _by_predictor(sweeps["min_score"]).items():
             ax.plot([r["prefetch_min_score"] for r in points], [r["tpot_ms"]["p50"] for r in points], "o-",
                     label=f"duoserve, {Path(predictor).name}")
         ax.set(xlabel="prefetch minimum score (--prefetch-min-score)", ylabel="time per output token, P50 (ms)",

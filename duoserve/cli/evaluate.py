@@ -202,8 +202,7 @@ def simulate(
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
                              gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
                              pin=pin_keys(pin), lookahead=lookahead, prefetch_min_score=prefetch_min_score,
-                             defer_prefetch=defer_prefetch,
-                             expert_dtype=expert_dtype, requests=requests,
+                             defer_prefetch=defer_prefetch, expert_dtype=expert_dtype, requests=requests,
                              prompt_len=prompt_len, new_tokens=new_tokens, host_op_us=host_op_us)
         with progress("simulating") as update:
             result = run_simulation(s, out if charts else None,
