@@ -1176,6 +1176,9 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     # each layer's host time is its own clock's (forward hooks), never the zero a noisy fit of two depths can give
     assert all(r["decode_ms"] > 0 and r["prefill_ms"] > 0 for r in profile["layer_ms"])
     assert all(r[f"{p}_device_ms"] >= 0 for r in profile["layer_ms"] for p in ("decode", "prefill"))
+    # the part before the experts call (the plugin's, which answers zeros): some of the layer's host time, not all
+    assert all(0 < r[f"{p}_before_ms"] < r[f"{p}_ms"] for r in profile["layer_ms"] for p in ("decode", "prefill"))
+    assert all("decode_before_ms" not in r for r in profile["step_ms"])
     assert profile["module_copy_ms"] > 0 and profile["group_host_us"] >= 0
     # the default cache and the larger default over int4 experts (the toy's tiny experts: twice it); no heap-ranked
     # one, as the model has fewer experts than that
@@ -1202,7 +1205,7 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6, 7 or 8"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6, 7, 8 or 9"):
         load_profile(tmp_path / "old.json")
 
 

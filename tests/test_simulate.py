@@ -182,6 +182,34 @@ def test_a_prefetch_left_for_the_next_layer_call_overlaps_its_host_time_with_the
     assert saved > 0.5 * (shape.num_layers - 1) * shape.top_k * 0.1
 
 
+def test_a_decode_layer_replayed_from_step_graphs_runs_its_kernels_after_its_host_work_before_the_experts():
+    """A graph's kernels are launched at its replay, once the layer's host work before its experts call is done
+    (version 9 profiles time that part), so the router's read waits for all of them; the rest of the layer's host
+    work follows the call. An eager layer's kernels run while the host launches them, and so do a replayed one's
+    where the profile did not time the part before the call. Same routing, same bytes."""
+    streams = SimStreams()
+    streams.launch(1.0, 0.6)
+    assert streams.compute.t == pytest.approx(1.0)  # ran under the launches
+    streams.replay(1.0, 0.6)
+    assert (streams.host, streams.compute.t) == (pytest.approx(2.0), pytest.approx(2.6))
+
+    shape = ModelShape.of("embedded", dtype="float32")
+    profile = cpu_profile(shape)
+    for row in profile["layer_ms"]:
+        row["decode_ms"], row["decode_device_ms"] = 0.3, 0.2  # device time a layer's launches hide when eager
+    split = {**profile, "layer_ms": [{**row, "decode_before_ms": 0.25, "prefill_before_ms": 0.0}
+                                     for row in profile["layer_ms"]]}
+    results = {name: run(Simulator(shape, Costs({**p, "step_graphs": graphed}), POLICIES["lru"]),
+                         ((0, p) for p in random_passes(shape, 1, 16, 8)))
+               for name, p, graphed in (("eager", split, False), ("unsplit", profile, True), ("replayed", split, True))}
+    assert results["replayed"]["bytes_h2d"] == results["eager"]["bytes_h2d"]
+    assert results["unsplit"]["tpot_ms"] == results["eager"]["tpot_ms"]
+    assert results["replayed"]["ttft_ms"] == results["eager"]["ttft_ms"]  # a prefill is eager in the engine
+    longer = results["replayed"]["tpot_ms"]["mean"] - results["eager"]["tpot_ms"]["mean"]
+    # each layer's router waits for its whole 0.2 ms of kernels, launched after 0.25 ms of its 0.3 of host work
+    assert longer == pytest.approx(shape.num_layers * 0.2, rel=0.25)
+
+
 def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_layer_calls(trained, monkeypatch):
     shape = ModelShape.of("embedded", dtype="float32")
     sim = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], str(trained))

@@ -72,6 +72,12 @@ class SimStreams:
         if copy and stream is self.compute:
             self.stall_ms += ms
 
+    def replay(self, wall_ms: float, device_ms: float) -> None:
+        """Work the host spends ``wall_ms`` on before it launches ``device_ms`` of kernels at once (a CUDA graph's
+        replay, at the end of that host time): they run after it, behind what the stream holds."""
+        self.host += wall_ms
+        self.compute.t = max(self.compute.t, self.host) + device_ms
+
     def launch(self, wall_ms: float, device_ms: float) -> None:
         """Work the host spends ``wall_ms`` launching onto the compute stream, ``device_ms`` of kernels there: they
         run as the host launches them (behind what the stream holds), ending no earlier than the last launch."""

@@ -69,8 +69,8 @@ class Costs:
         self.profile = profile
         self.host_scale = host_scale(profile, host_op_us)
         h = self.host_scale
-        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "routing_host_ms", "pass_ms", "predictor_ms",
-                     "fetch_host_ms"):
+        for name in ("copy_ms", "per_expert_ms", "call_host_ms", "routing_host_ms", "pass_ms", "layer_before_ms",
+                     "predictor_ms", "fetch_host_ms"):
             setattr(self, name, functools.cache(getattr(self, name)))
         self.expert_bytes = profile["geometry"]["expert_bytes"]
         # a CPU's profile has no pinned copies (the engine's copies there are the host's memcpy): pageable stands in
@@ -149,6 +149,16 @@ class Costs:
         in C within each measured B, then linear in B. The wall is the host's launching, so it takes the host's pace."""
         wall, device = (self._grid(self._pass[name], f"{phase}{key}", batch, context) for key in ("_ms", "_device_ms"))
         return wall * self.host_scale, device
+
+    def layer_before_ms(self, phase: str, batch: int, context: int) -> float | None:
+        """The part of ``layer_ms``' wall of ``phase`` at (B, C) before the layer's experts call, at the host's pace;
+        None where the profile did not time it (before version 9)."""
+        rows = self._pass["layer_ms"]
+        key = f"{phase}_before_ms"
+        if not all(key in row for row in rows):
+            return None
+        return min(self._grid(rows, key, batch, context) * self.host_scale, self.pass_ms("layer_ms", phase, batch,
+                                                                                          context)[0])
 
     @staticmethod
     def _grid(rows: list[dict], key: str, batch: int, context: int) -> float:

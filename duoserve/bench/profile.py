@@ -55,7 +55,9 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 decoder layer of every timed pass, the median; on a GPU a decode call is replayed from the engine's
                 step graphs unless ``step_graphs`` is off, as the file records) and the device's kernel time
                 (``decode_device_ms``, ``prefill_device_ms``: torch's profiler, fitted from 1 and ``layers``
-                decoder layers; the wall time on the CPU)
+                decoder layers; the wall time on the CPU); and, not required (version 9), the part of the host
+                time before the layer's experts call (``decode_before_ms``, ``prefill_before_ms``): a layer replayed
+                from step graphs launches its kernels there at once, and its router is read right after
   step_ms       what a forward pass costs besides its layers (embedding, head, generate's own work), by the same
                 keys: the fit of two depths, 1 and ``layers`` decoder layers
 The engine's host costs (``call_host_us``, ``fetch_host_us``, ``group_host_us``, ``module_copy_ms``, and
@@ -101,6 +103,7 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
+# 9: layer_ms rows carry decode_before_ms and prefill_before_ms, a layer's host time before its experts call;
 # 8: dequant_host_us, a quantized fetch's host cost per dequantization pass, by expert dtype;
 # 7: dequant_ms is the engine's pass straight into cache slots, Triton kernels on a GPU (before: eager, then copied);
 # 6: group_host_by_tokens, a prefill group's host cost by the call's tokens (group_host_us: at E/k tokens);
@@ -108,8 +111,8 @@ from duoserve.runtime.streams import Streams
 # each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 8
-READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7, 8)
+PROFILE_VERSION = 9
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -139,9 +142,14 @@ class ProfileSettings:
 
 
 class _NoExperts(ExpertsPlugin):
-    """The model with its routed experts answering zeros: what the rest of a layer costs."""
+    """The model with its routed experts answering zeros: what the rest of a layer costs. ``called``, where set, is
+    called as each experts call starts (``_LayerClock`` splits a layer's host time there)."""
+
+    called: Callable[[], None] | None = None
 
     def run_layer(self, l: int, hidden: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.called is not None:
+            self.called()
         return torch.zeros_like(hidden)
 
 
@@ -524,10 +532,11 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
         # host-bound pass); device time from the two depths' kernel times
         per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0)
                      for key in ("decode_device_ms", "prefill_device_ms")}
-        per_layer.update(decode_ms=deep["layer_decode_ms"], prefill_ms=deep["layer_prefill_ms"])
+        per_layer.update({key: deep[f"layer_{key}"] for key in ("decode_ms", "prefill_ms", "decode_before_ms",
+                                                                  "prefill_before_ms")})
         layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
         step_ms.append({"batch": one["batch"], "context": one["context"],
-                        **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
+                        **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer if key in one}})
 
     section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)
@@ -570,7 +579,8 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
     """Wall and device milliseconds of a whole decode step and a whole prefill of ``model``, its routed experts
     answering zeros, by batch size and context length; and each decoder layer's host time inside them
     (``layer_decode_ms``, ``layer_prefill_ms``: the median over every layer of every timed pass, from its forward
-    hooks: nothing in a layer waits for the device, so this is what the host spends launching it)."""
+    hooks: nothing in a layer waits for the device, so this is what the host spends launching it), and the part of
+    it before the layer's experts call (``layer_decode_before_ms``, ``layer_prefill_before_ms``)."""
     depth = model.config.get_text_config().num_hidden_layers
     vocab = model.get_input_embeddings().num_embeddings
     device = next(model.parameters()).device
@@ -579,6 +589,7 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
     if s.step_graphs and device.type == "cuda":
         plugin.graph_steps()
     with plugin, _LayerClock(model.get_decoder().layers) as clock:
+        plugin.called = clock.split
         for B in s.batch_sizes:
             for C in s.contexts:
                 say(f"{depth} layers without experts, B={B} C={C}")
@@ -590,11 +601,12 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
                     return timed_generate(model, ids, mask, n, fixed_length=True, cache=cache)[1]
 
                 generate(3)  # warm-up: with step graphs, its second decode step captures them
-                clock.times = {"prefill": [], "decode": []}
+                clock.reset()
                 timings = [generate(8) for _ in range(s.repeats)]
                 row = {"batch": B, "context": C, "decode_ms": statistics.median(t["tpot_ms"] for t in timings),
                        "prefill_ms": statistics.median(t["ttft_s"] * 1e3 for t in timings),
-                       **{f"layer_{phase}_ms": statistics.median(ms) for phase, ms in clock.times.items()}}
+                       **{f"layer_{phase}_ms": statistics.median(ms) for phase, ms in clock.times.items()},
+                       **{f"layer_{phase}_before_ms": statistics.median(ms) for phase, ms in clock.before.items()}}
                 if device.type == "cuda":  # kernel time of a prefill alone, and of it with 7 decode steps
                     prefill, both = _kernel_ms(lambda: generate(1)), _kernel_ms(lambda: generate(8))
                     row.update(prefill_device_ms=prefill, decode_device_ms=max(both - prefill, 0.0) / 7)
@@ -606,18 +618,29 @@ def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict
 
 class _LayerClock:
     """Forward hooks that time each decoder layer's call on the host, by phase (a pass of more than one token per
-    sequence is a prefill); removed on exit."""
+    sequence is a prefill), and the part of it before its experts call (``split``, called as that starts: a layer
+    replayed from step graphs launches its kernels before it at once); removed on exit."""
 
     def __init__(self, layers):
-        self.layers, self.times = layers, {"prefill": [], "decode": []}
+        self.layers = layers
+        self.reset()
+
+    def reset(self) -> None:
+        self.times, self.before = {"prefill": [], "decode": []}, {"prefill": [], "decode": []}
+        self._start = self._split = None
+
+    def split(self) -> None:
+        self._split = time.perf_counter()
 
     def __enter__(self):
         def begin(module, args, kwargs):
-            self._start = time.perf_counter()
+            self._start, self._split = time.perf_counter(), None
 
         def end(module, args, kwargs, output):
             hidden = args[0] if args else kwargs["hidden_states"]  # B x S x H
-            self.times["prefill" if hidden.shape[1] > 1 else "decode"].append((time.perf_counter() - self._start) * 1e3)
+            phase, now = "prefill" if hidden.shape[1] > 1 else "decode", time.perf_counter()
+            self.times[phase].append((now - self._start) * 1e3)
+            self.before[phase].append(((self._split or now) - self._start) * 1e3)
 
         self._hooks = [h for layer in self.layers for h in (layer.register_forward_pre_hook(begin, with_kwargs=True),
                                                             layer.register_forward_hook(end, with_kwargs=True))]

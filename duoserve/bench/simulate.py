@@ -21,11 +21,13 @@ over stand-ins that do no work but advance clocks by a device profile's costs (`
             call, ``Simulator.predict_ahead``); each call costs the profile's predictor call (host time, then
             device time on the predictor stream, which the prefetch waits for)
 
-and, per forward pass: each decoder layer's non-expert work, launched by the host over its wall time while its
-kernels run on the compute stream (``layer_ms``), the host waiting for its router (the engine reads every layer's
-routing), the engine's host time per layer call (``call_host_us``: its routing read before the call's fetches
-are queued, the rest after them, while their copies run), and the pass's own cost (``step_ms``:
-embedding, head, sampling), the host waiting for its token. So the simulator's hits, copies and bytes are the
+and, per forward pass: each decoder layer's non-expert work (``layer_ms``), launched by the host over its wall time
+while its kernels run on the compute stream, or, for a decode layer replayed from step graphs (as the profile
+says it measured them, version 9 on: the host time before its experts call timed apart), launched at once when
+the host's work before that call is done (a graph's replay), the rest of it after the call; the host waiting for
+its router (the engine reads every layer's routing), the engine's host time per layer call (``call_host_us``:
+its routing read before the call's fetches are queued, the rest after them, while their copies run), and the
+pass's own cost (``step_ms``: embedding, head, sampling), the host waiting for its token. So the simulator's hits, copies and bytes are the
 engine's on the same routing and predictor (tested exactly against the engine on the CPU); its times are the
 profile's model of them (against the engine on the H200: ``benchmarks/simulate_validation.py``).
 
@@ -277,8 +279,17 @@ class Simulator:
         host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
+        # a decode layer replayed from step graphs launches its kernels at once, when its host work before its experts
+        # call is done, and the router's read waits for all of them; the rest of its host work follows the call. An
+        # eager layer's kernels run as the host launches them (and so a replayed one's where the profile did not time
+        # the part before the call)
+        ahead = costs.layer_before_ms(p.phase, p.batch, p.context) if sched.layers_replayed and p.phase == "decode" \
+            else None  # the layer's host ms before its experts call
         for l, layer_idx in enumerate(layers):  # T x k each
-            s.launch(wall, device)
+            if ahead is None:
+                s.launch(wall, device)
+            else:
+                s.replay(ahead, device)
             sched.queue_deferred()  # where the engine's call starts: before it waits for the routing
             before = s.host
             s.block(s.compute)  # the engine reads the layer's routing
@@ -287,6 +298,8 @@ class Simulator:
                 self.timers.cpu.add(ROUTING_SECTION, s.host - before)
             sched.compute.begin_call(host_ms - routing_ms, T)  # the rest of the call's host time, while misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
+            if ahead is not None:
+                s.host += wall - ahead
         s.launch(*costs.pass_ms("step_ms", p.phase, p.batch, p.context))
         s.block(s.compute)  # the next token is read
         return s.host - start
