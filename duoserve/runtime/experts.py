@@ -45,8 +45,6 @@ from duoserve.runtime.streams import EngineTimers, Streams
 MAX_GROUPS = 1023
 Window = tuple[int, int, int, int]  # slots s0..s1-1 and their pairs p0..p1-1 in a call's rows
 
-UPLOAD_RING = 8  # pinned host buffers that the pair-row uploads of a prefill's groups take in turn
-
 # pairs (T*k) up to which a call's routing is sorted with plain lists: a decode call's few dozen pairs, where
 # numpy's fixed cost per call outweighs the work (docs/benchmarks.md gives the measured crossover)
 SMALL_CALL = 128
@@ -255,38 +253,18 @@ class SlotCompute:
         self.views = [SlotView(m, cache.views, cache.slots) for m in modules]
         graphs = graphs and cache.slots <= MAX_GROUPS
         self.graphs = GraphedSlotExperts(cache.slots, streams.device) if graphs else None
-        # pinned host buffers of pair rows, each with the event of its last upload (``upload``): on a GPU only
-        self._uploads = [(torch.empty(0, dtype=torch.int32), torch.cuda.Event()) for _ in range(UPLOAD_RING)] \
-            if streams.cuda else []
-        self._next_upload = 0
 
     def upload(self, rows: np.ndarray, stream=None) -> PairRows:
         """A group's pair rows on the device, queued on ``stream`` (default: the current one) without blocking the
-        host, for the compute stream to read. They go through pinned host buffers taken in turn (``UPLOAD_RING``):
-        a fresh pinned copy a group (``pin_memory``) is an allocation that waits on the host allocator's events,
-        which a busy device leaves pending (a prefill's groups, a large decode batch's)."""
+        host, for the compute stream to read."""
         t = torch.from_numpy(rows)
         if self.streams.cuda:
-            host, uploaded = self._pinned(len(rows))
-            host.numpy()[:] = rows
             # no stream switch where none is asked for (the decode step's uploads)
             with self.streams.on(stream) if stream is not None else contextlib.nullcontext():
-                t = host.to(self.streams.device, non_blocking=True)
-                uploaded.record()
+                t = t.pin_memory().to(self.streams.device, non_blocking=True)
             if stream is not None and stream is not self.streams.compute:  # allocated there, read on compute
                 t.record_stream(self.streams.compute)
         return PairRows(t, slot_windows(rows, self.cache.slots))
-
-    def _pinned(self, n: int) -> tuple[torch.Tensor, torch.cuda.Event]:
-        """The next pinned buffer of the ring, as ``n`` int32 (grown where short), once its last upload has been
-        read (long done: ``UPLOAD_RING`` uploads ago), and the event its next upload records."""
-        i = self._next_upload = (self._next_upload + 1) % UPLOAD_RING
-        buffer, uploaded = self._uploads[i]
-        uploaded.synchronize()
-        if len(buffer) < n:
-            buffer = torch.empty(max(n, 2 * len(buffer)), dtype=torch.int32, pin_memory=True)
-            self._uploads[i] = (buffer, uploaded)
-        return buffer[:n], uploaded
 
     def load_all(self, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
                  slots: dict[int, int]) -> tuple | PairRows:
