@@ -16,7 +16,9 @@ whether its host or its device side is off (the table: simulated over measured, 
 fetches and compute). Where the profile recorded its pace, each point is simulated at its runs' (``Costs``'
 ``host_op_us``; ``--no-pace``: at the profile's), and every row also keeps the simulation at the profile's pace
 (``unpaced``). ``--round i``: each profile's engine host costs of its round i alone (``engine_rounds``, version 5
-profiles), not the rounds' medians: what a single-round profile would have given.
+profiles), not the rounds' medians: what a single-round profile would have given. ``--no-layer-split``: a
+version 9 profile's decode layers simulated as older profiles' were (their kernels running as the host launches
+them), not launched at once after the host's work before the experts call.
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100). The shipped
 H200 profiles come from a later instance than the benches in ``benchmarks/results/`` (their own benches are in
@@ -98,6 +100,10 @@ def main(argv: list[str] | None = None) -> dict:
                         "every row also carries the simulation at the profile's pace (unpaced)")
     p.add_argument("--round", type=int, default=None,
                    help="each profile's engine costs of this round alone (engine_rounds), not the rounds' medians")
+    p.add_argument("--layer-split", action=argparse.BooleanOptionalAction, default=True,
+                   help="launch a step-graphed decode layer's kernels once its host work before its experts call is "
+                        "done, where the profile timed that part (version 9; default); --no-layer-split: over its "
+                        "whole host time, as before")
     args = p.parse_args(argv)
     rows, skipped = [], []
     for bench_name, (spec, trace) in BENCHES.items():
@@ -119,6 +125,9 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         if args.round is not None:
             profile = profile_round(profile, args.round)
+        if not args.layer_split:  # as a profile before version 9: every layer launched over its whole host time
+            profile = {**profile, "layer_ms": [{key: v for key, v in row.items() if not key.endswith("_before_ms")}
+                                               for row in profile["layer_ms"]]}
         layers = bench["geometry"]["moe_layers"] if bench["config_only"] else None
         shape = ModelShape.of(spec, layers, bench["dtype"].removeprefix("torch."))
         try:  # a profile applies to the dtype it was measured in
