@@ -210,6 +210,25 @@ def test_a_decode_layer_replayed_from_step_graphs_runs_its_kernels_after_its_hos
     assert longer == pytest.approx(shape.num_layers * 0.2, rel=0.25)
 
 
+def test_a_decode_call_whose_experts_do_not_fit_costs_its_first_group_as_a_prefill_call_does():
+    """A decode call computes in one group replayed from a graph where its experts fit the cache, and in eager groups,
+    as a prefill call does, where they do not (the profile times an all-cached call of each phase): a slower eager
+    call then slows the B=8 steps that take the grouped path, not the B=1 ones that fit."""
+    shape = ModelShape.of("embedded", dtype="float32")
+    k = shape.top_k
+    profile = {**cpu_profile(shape), "profile_version": 4}  # calls timed in two parts: routing read, then the rest
+    profile["call_host_us"] = [{**r, "routing_us": 20.0} for r in profile["call_host_us"]]
+    slower = {**profile, "call_host_us": [{**r, "us": r["us"] + 1000.0 * (r["phase"] == "prefill")}
+                                          for r in profile["call_host_us"]]}
+    settings = EngineSettings(gpu_expert_budget=k * shape.layout.nbytes)  # k slots: one token's experts fit
+    tpot = {(name, B): run(Simulator(shape, Costs(p), POLICIES["lru"], settings=settings),
+                           ((0, p) for p in random_passes(shape, B, 4, 6)))["tpot_ms"]["mean"]
+            for name, p in (("fast", profile), ("slow", slower)) for B in (1, 8)}
+    assert tpot["slow", 1] == pytest.approx(tpot["fast", 1])
+    # each of the L layer calls of a B=8 step is one grouped call: 1 ms more host time for its first group
+    assert tpot["slow", 8] - tpot["fast", 8] == pytest.approx(shape.num_layers * 1.0, rel=0.2)
+
+
 def test_a_trained_predictors_scores_are_computed_ahead_in_batches_equal_to_per_layer_calls(trained, monkeypatch):
     shape = ModelShape.of("embedded", dtype="float32")
     sim = Simulator(shape, Costs(cpu_profile(shape)), POLICIES["duoserve"], str(trained))

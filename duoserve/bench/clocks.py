@@ -168,12 +168,15 @@ class SimCompute:
     def __init__(self, cache, streams: SimStreams, timers: SimTimers | None, costs: Costs):
         self.cache, self.streams, self.timers, self.costs = cache, streams, timers, costs  # timers None: time nothing
         self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
-        self.call_host_ms, self.tokens = 0.0, 0
+        self.call_host_ms, self.grouped_host_ms, self.tokens = 0.0, 0.0, 0
 
-    def begin_call(self, host_ms: float, tokens: int) -> None:
+    def begin_call(self, host_ms: float, tokens: int, grouped_host_ms: float | None = None) -> None:
         """A layer call of ``tokens`` starts; ``host_ms``: its host time after its routing read, spent before its first
-        group is launched (its fetches, if any, are queued before it: their copies run while the host works)."""
+        group is launched (its fetches, if any, are queued before it: their copies run while the host works), where
+        it computes in one group (``compute_all``); ``grouped_host_ms`` (default ``host_ms``) where it computes in
+        groups (``add_group``: a prefill's path, which a decode call takes when its experts do not fit the cache)."""
         self.groups, self.call_host_ms, self.tokens = 0, host_ms, tokens
+        self.grouped_host_ms = host_ms if grouped_host_ms is None else grouped_host_ms
 
     def _counts(self, rows: np.ndarray) -> list[int]:
         n = (len(rows) - self.cache.slots) // 3
@@ -185,8 +188,8 @@ class SimCompute:
     def load_all(self, hidden, weights, routing, slots: dict[int, int]) -> list[int]:
         return routing.pair_counts(slots)
 
-    def _run(self, counts: list[int], slots: dict[int, int]) -> None:
-        self.streams.host += self.costs.group_host_ms(self.tokens) if self.groups else self.call_host_ms
+    def _run(self, counts: list[int], slots: dict[int, int], first_ms: float) -> None:
+        self.streams.host += self.costs.group_host_ms(self.tokens) if self.groups else first_ms
         self.groups += 1
         self.streams.run(self.streams.compute, self.costs.group_ms(counts))
         self.cache.release(list(slots.values()))
@@ -194,11 +197,11 @@ class SimCompute:
     def compute_all(self, l: int, hidden, weights, inputs: list[int], slots: dict[int, int]):
         self.cache.wait_ready(slots.values())
         start = self.streams.host
-        self._run(inputs, slots)
+        self._run(inputs, slots, self.call_host_ms)
         if self.timers is not None:
             self.timers.cpu.add("queue compute", self.streams.host - start)
         return hidden
 
     def add_group(self, l: int, hidden, weights, rows: list[int], slots: dict[int, int], out) -> None:
-        self._run(rows, slots)
+        self._run(rows, slots, self.grouped_host_ms)
 

@@ -277,6 +277,9 @@ class Simulator:
         layers = p.ids if self._trained is None else torch.from_numpy(p.ids.astype(np.int64, copy=False)).unbind(0)
         wall, device = costs.pass_ms("layer_ms", p.phase, p.batch, p.context)
         host_ms, routing_ms = costs.call_host_ms(p.phase, T), costs.routing_host_ms(p.phase, T)
+        # a decode call whose experts do not fit the cache computes in groups, eagerly, as a prefill call does: its
+        # first group costs what a prefill call of its tokens does (a one-group decode call is replayed from a graph)
+        grouped_ms = costs.call_host_ms("prefill", T) - costs.routing_host_ms("prefill", T)
         dense = self.shape.decoder_layers - self.shape.num_layers
         s.launch(wall * dense, device * dense)
         # a decode layer replayed from step graphs launches its kernels at once, when its host work before its experts
@@ -296,7 +299,8 @@ class Simulator:
             s.host += routing_ms
             if self.timers is not None:
                 self.timers.cpu.add(ROUTING_SECTION, s.host - before)
-            sched.compute.begin_call(host_ms - routing_ms, T)  # the rest of the call's host time, while misses copy
+            sched.compute.begin_call(host_ms - routing_ms, T, grouped_ms)  # the rest of the call's host time, while
+            # misses copy
             sched.run_layer(l, hidden, layer_idx, weights)
             if ahead is not None:
                 s.host += wall - ahead
