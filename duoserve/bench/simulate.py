@@ -26,10 +26,12 @@ while its kernels run on the compute stream, or, for a decode layer replayed fro
 says it measured them, version 9 on: the host time before its experts call timed apart), launched at once when
 the host's work before that call is done (a graph's replay), the rest of it after the call; the host waiting for
 its router (the engine reads every layer's routing), the engine's host time per layer call (``call_host_us``:
-its routing read before the call's fetches are queued, the rest after them, while their copies run), and the
-pass's own cost (``step_ms``: embedding, head, sampling), the host waiting for its token. So the simulator's hits, copies and bytes are the
-engine's on the same routing and predictor (tested exactly against the engine on the CPU); its times are the
-profile's model of them (against the engine on the H200: ``benchmarks/simulate_validation.py``).
+its routing read before the call's fetches are queued, the rest after them, while their copies run; a decode call
+too large for the cache computes in eager groups as a prefill call does, and its first group costs what a prefill
+call of its tokens does), and the pass's own cost (``step_ms``: embedding, head, sampling), the host waiting for
+its token. So the simulator's hits, copies and bytes are the engine's on the same routing and predictor (tested
+exactly against the engine on the CPU); its times are the profile's model of them (against the engine on the
+H200: ``benchmarks/simulate_validation.py``).
 
 Not modelled: padding (a batch's prompts are one pass of all their tokens, at the longest prompt's context), and
 host-to-device transfers of two streams contending (an upload on the compute stream that waits for the copy
