@@ -56,7 +56,7 @@ class ExpertCache:
     def __init__(self, layout: ExpertLayout, slots: int, streams: Streams):
         if slots < 1:
             raise ValueError(f"the expert cache needs at least one slot, got {slots}")
-        self.layout, self.streams = layout, streams
+        self.layout, self.streams, self.slots = layout, streams, slots
         self.buffer = torch.zeros(slots, layout.numel, dtype=layout.dtype, device=streams.cache_device)  # S x P
         self.views = layout.views(self.buffer)  # name -> S x shape, what the experts kernels read
         self.rows = Rows(self.buffer)  # what copies write: a slot, or a stretch of them
@@ -81,17 +81,15 @@ class ExpertCache:
         self._predicted_for: dict[int, set[int]] = {}  # layer -> experts copied ahead for it on a prediction
 
     @property
-    def slots(self) -> int:
-        return len(self.key)
-
-    @property
     def open_slots(self) -> int:
         """Slots the cache manages (all but the pinned ones)."""
         return self.slots - len(self.pinned)
 
     def room(self, busy: set[Key] | frozenset = frozenset()) -> int:
         """Open slots left for new experts while the ``busy`` keys stay (pinned ones take none of them)."""
-        return self.open_slots - (len(busy - self.pinned) if self.pinned else len(busy))
+        if self.pinned:
+            return self.slots - len(self.pinned) - len(busy - self.pinned)
+        return self.slots - len(busy)
 
     def fits(self, layer: int, experts: list[int]) -> bool:
         """Whether ``experts`` of ``layer`` can all be resident at once (the pinned ones are, without a slot)."""
