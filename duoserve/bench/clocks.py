@@ -170,13 +170,11 @@ class SimCompute:
         self.groups = 0  # of the layer call under way: each beyond the first costs the host (profile's group_host)
         self.call_host_ms, self.grouped_host_ms, self.tokens = 0.0, 0.0, 0
 
-    def begin_call(self, host_ms: float, tokens: int, grouped_host_ms: float | None = None) -> None:
+    def begin_call(self, host_ms: float, tokens: int, grouped_host_ms: float) -> None:
         """A layer call of ``tokens`` starts; ``host_ms``: its host time after its routing read, spent before its first
         group is launched (its fetches, if any, are queued before it: their copies run while the host works), where
-        it computes in one group (``compute_all``); ``grouped_host_ms`` (default ``host_ms``) where it computes in
-        groups (``add_group``: a prefill's path, which a decode call takes when its experts do not fit the cache)."""
-        self.groups, self.call_host_ms, self.tokens = 0, host_ms, tokens
-        self.grouped_host_ms = host_ms if grouped_host_ms is None else grouped_host_ms
+        it computes in one group (``compute_all``); ``grouped_host_ms`` where it computes in groups (``add_group``: a prefill's path, which a decode call takes when its experts do not fit the cache)."""
+        self.groups, self.call_host_ms, self.grouped_host_ms, self.tokens = 0, host_ms, grouped_host_ms, tokens
 
     def _counts(self, rows: np.ndarray) -> list[int]:
         n = (len(rows) - self.cache.slots) // 3

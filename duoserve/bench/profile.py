@@ -532,11 +532,11 @@ def profile(s: ProfileSettings, say: Callable[[str], None] = lambda text: None) 
         # host-bound pass); device time from the two depths' kernel times
         per_layer = {key: max((deep[key] - one[key]) / (s.layers - 1), 0.0)
                      for key in ("decode_device_ms", "prefill_device_ms")}
-        per_layer.update({key: deep[f"layer_{key}"] for key in ("decode_ms", "prefill_ms", "decode_before_ms",
-                                                                  "prefill_before_ms")})
-        layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
+        per_layer.update({key: deep[f"layer_{key}"] for key in ("decode_ms", "prefill_ms")})
         step_ms.append({"batch": one["batch"], "context": one["context"],
-                        **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer if key in one}})
+                        **{key: max(one[key] - per_layer[key], 0.0) for key in per_layer}})
+        per_layer.update({key: deep[f"layer_{key}"] for key in ("decode_before_ms", "prefill_before_ms")})
+        layer_ms.append({"batch": one["batch"], "context": one["context"], **per_layer})
 
     section("host cost of the engine's calls")
     engine_us = _engine_host_us(model, s, device, host_us)

@@ -87,9 +87,9 @@ class ExpertCache:
 
     def room(self, busy: set[Key] | frozenset = frozenset()) -> int:
         """Open slots left for new experts while the ``busy`` keys stay (pinned ones take none of them)."""
-        if self.pinned:
-            return self.slots - len(self.pinned) - len(busy - self.pinned)
-        return self.slots - len(busy)
+        if not self.pinned:  # the decode step's case: no set built
+            return self.slots - len(busy)
+        return self.open_slots - len(busy - self.pinned)
 
     def fits(self, layer: int, experts: list[int]) -> bool:
         """Whether ``experts`` of ``layer`` can all be resident at once (the pinned ones are, without a slot)."""
