@@ -37,7 +37,7 @@ from duoserve.runtime.generation import kv_cache
 from duoserve.runtime.stepgraph import StepGraphs, decoder_layers, graphable
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
-from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, put_experts
+from duoserve.runtime.store import ExpertLayout, HostExperts, expert_params, host_zeros, put_experts
 from duoserve.runtime.streams import Streams
 from tests.conftest import load_benchmark
 
@@ -917,6 +917,27 @@ def test_expert_copies_land_on_the_copy_stream_through_the_cuda_runtime_and_thro
             streams.copy_to_device(slots[s], rows[e], streams.copy)
         streams.wait(streams.compute, streams.record(streams.copy))
         assert torch.equal(slots.cpu(), rows[order]), f"copies through {'the runtime' if memcpy else 'torch'}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking host memory needs a CUDA device")
+def test_stores_are_pinned_at_their_size_and_unpinned_when_freed():
+    params = {"w": torch.randn(6, 3, 1000, dtype=torch.bfloat16)}  # E x ... (not a power of two in bytes)
+    for store in (HostExperts.pack(params, pin=True), HostExperts.as_modules(params, pin=True)):
+        host = store.packed if store.packed is not None else store.modules["w"]
+        assert host.is_pinned() and host.untyped_storage().nbytes() == host.numel() * host.element_size()
+        rows = host.view(6, -1)
+        assert torch.equal(rows.to("cuda", non_blocking=True).cpu(), params["w"].view(6, -1))
+    t = host_zeros((3, 5000), torch.float32, pin=True)
+    ptr = t.untyped_storage().data_ptr()
+    del t, store, host, rows
+    # its registration went with it: unregistering again is refused (a registration left behind would succeed)
+    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
+
+
+def test_host_zeros_unpinned_is_plain_host_memory():
+    t = host_zeros((4, 3), torch.bfloat16, pin=False)
+    assert t.device.type == "cpu" and t.dtype == torch.bfloat16 and not t.any() and t.shape == (4, 3)
 
 
 @pytest.mark.gpu

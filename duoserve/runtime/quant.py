@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from duoserve.loading import FP8_BLOCK
-from duoserve.runtime.store import ExpertLayout, HostExperts, Rows, runs
+from duoserve.runtime.store import ExpertLayout, HostExperts, Rows, host_zeros, runs
 from duoserve.runtime.streams import Streams
 
 EXPERT_DTYPES = ("model", "fp8", "int4")
@@ -212,7 +212,7 @@ class QuantizedExperts(HostExperts):
         layout = ExpertLayout.of(params)
         qlayout = QuantLayout.of(layout, fmt)
         E = len(next(iter(params.values())))
-        stored = torch.zeros(E, qlayout.nbytes, dtype=torch.uint8, pin_memory=pin)  # E x Q
+        stored = host_zeros((E, qlayout.nbytes), torch.uint8, pin)  # E x Q
         for seg in qlayout.segments:
             p = params[seg.name]
             if seg.kind == "raw":
