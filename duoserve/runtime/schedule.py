@@ -14,6 +14,8 @@ Shape legend: T tokens of the call, H hidden size, n (token, expert) pairs of a 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from duoserve.runtime.cache import ExpertCache
@@ -71,8 +73,12 @@ class GroupedFetch:
         groups = [missing[i:i + chunk] for i in range(0, len(missing), chunk)]
         depth = 2 if self.overlap and 2 * chunk <= cache.open_slots else 1  # groups fetched, not computed
         queued: list[tuple[dict[int, int], PairRows]] = []  # (expert -> slot, rows) of each fetched group
+        # a stall span times the compute stream from its start: around the host's queueing of copies on another
+        # stream it would count that queueing (all of it, where the device waits for the host) as a stall, so there
+        # it holds the wait for a group's copies only; copies on the compute stream (on-demand's) stall it themselves
+        copies_stall = self.stream is self.streams.compute
         for i in range(len(groups)):
-            with timers.stall.span():
+            with timers.stall.span() if copies_stall else contextlib.nullcontext():
                 while len(queued) < depth and i + len(queued) < len(groups):
                     experts = groups[i + len(queued)]
                     keep = {(l, e) for group, _ in queued for e in group}  # not computed yet: not to be refilled
@@ -82,7 +88,8 @@ class GroupedFetch:
                         rows = self.compute.upload(routing.rows(fetched, cache.slots), stream)
                         cache.seal(slots, stream)
                     queued.append((fetched, rows))
-                group, rows = queued.pop(0)
+            group, rows = queued.pop(0)
+            with timers.stall.span():
                 cache.wait_ready(group.values())
             with timers.cpu("queue compute"):
                 self.compute.add_group(l, hidden, weights, rows, group, out)
