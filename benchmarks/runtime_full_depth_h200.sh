@@ -23,7 +23,7 @@
 #                    B=1 and 8, prompt 512, 16 tokens, two rounds interleaved (REPEATS)
 #                    -> runtime_full_dtypes_{int4,fp8}_qwen3-30b-a3b_h200.json
 #   PART=int4-cache  int4 experts' prefill against the cache's size: duoserve (oracle:1) on Qwen's experts stored int4
-#                    with the default cache (2k = 16 slots) and with 32 slots (288MiB of bf16 rows), one process each,
+#                    with a cache of 16 slots (2k) and of 32 (288MiB of bf16 rows; SLOTS lists others), one process each,
 #                    B=1 and 8, prompt 512, 16 tokens, two rounds (the quantized prefill's groups take the whole cache;
 #                    each costs the host about as much as its int4 copies take)
 #                    -> runtime_full_int4_cache_{16,32}_qwen3-30b-a3b_h200.json
@@ -75,7 +75,7 @@ dtypes)
             --out "$OUT/runtime_full_dtypes_${fmt}_qwen3-30b-a3b_h200.json"
     done ;;
 int4-cache)
-    for slots in 16 32; do
+    for slots in ${SLOTS:-16 32}; do
         bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype int4 --gpu-expert-budget "$(( slots * 9 ))MiB" \
             --batch-size 1 --batch-size 8 --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" \
             --predictor oracle:1 --policy duoserve --out "$OUT/runtime_full_int4_cache_${slots}_qwen3-30b-a3b_h200.json"

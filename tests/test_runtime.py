@@ -1179,7 +1179,8 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
         profile_round(profile, 2)
     assert profile["provenance"]["machine"]  # a profile says which machine it describes
     layer = find_moe_layers(load_model(str(arch_models["mixtral"]), device="cpu")[0])[0]
-    assert g["expert_bytes"] == sum(p[0].nbytes for p in expert_params(layer.experts).values())
+    itemsize = getattr(torch, profile["dtype"].removeprefix("torch.")).itemsize  # the profile's own (bf16 on a GPU)
+    assert g["expert_bytes"] == sum(p[0].numel() * itemsize for p in expert_params(layer.experts).values())
     assert g["expert_bytes"] in [c["bytes"] for c in profile["copy"]]  # one expert's own copy size is measured
     assert all(c["pageable_gbps"] > 0 for c in profile["copy"])
     k = g["top_k"]
