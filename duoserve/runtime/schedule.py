@@ -75,7 +75,7 @@ class GroupedFetch:
         queued: list[tuple[dict[int, int], PairRows]] = []  # (expert -> slot, rows) of each fetched group
         # a stall span times the compute stream from its start: around the host's queueing of copies on another
         # stream it would count that queueing (all of it, where the device waits for the host) as a stall, so there
-        # it holds the wait for a group's copies only; copies on the compute stream (on-demand's, lru's) stall it
+        # it holds the wait for a group's copies only; copies on the compute stream (on-demand's, lru's) are its stalls
         copies_stall = self.stream is self.streams.compute
         for i in range(len(groups)):
             with timers.stall.span() if copies_stall else contextlib.nullcontext():
