@@ -935,9 +935,18 @@ def test_stores_are_pinned_at_their_size_and_unpinned_when_freed():
     assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
 
 
-def test_host_zeros_unpinned_is_plain_host_memory():
+def test_host_zeros_unpinned_is_plain_host_memory_and_a_refused_pin_says_what_to_do(monkeypatch):
     t = host_zeros((4, 3), torch.bfloat16, pin=False)
     assert t.device.type == "cpu" and t.dtype == torch.bfloat16 and not t.any() and t.shape == (4, 3)
+
+    class Refusing:  # a CUDA runtime out of lockable memory (cudaErrorMemoryAllocation)
+        @staticmethod
+        def cudaHostRegister(ptr, size, flags):
+            return 2
+
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: Refusing)
+    with pytest.raises(RuntimeError, match=r"could not page-lock 0\.00 GB .*CUDA error 2.*--expert-dtype"):
+        host_zeros((4, 3), torch.bfloat16, pin=True)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,10 @@ def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.T
     if pin and t.numel():
         storage = t.untyped_storage()
         cudart = torch.cuda.cudart()
-        torch.cuda.check_error(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1))  # 1: portable
+        if err := int(cudart.cudaHostRegister(storage.data_ptr(), storage.nbytes(), 1)):  # 1: portable
+            raise RuntimeError(f"could not page-lock {storage.nbytes() / 1e9:.2f} GB of host memory for expert rows "
+                               f"(CUDA error {err}): free host memory, raise the locked-memory limit (ulimit -l), or "
+                               "store the experts quantized (--expert-dtype fp8|int4)")
         # not at exit, where the CUDA context may be gone before it
         weakref.finalize(storage, cudart.cudaHostUnregister, storage.data_ptr()).atexit = False
     return t
