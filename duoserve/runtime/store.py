@@ -66,7 +66,7 @@ class ExpertLayout:
 def host_zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
     """Zeros in host memory, page-locked if ``pin``, taking exactly their bytes. torch's ``pin_memory`` allocates
     through its caching host allocator, which rounds every block up to a power of two: a Qwen3-30B-A3B layer's 1.21 GB
-    of bf16 experts took 2 GB of page-locked memory, a Mixtral-8x7B layer's 2.82 GB took 4 GB. Here the tensor's own
+    of bf16 experts takes a 2 GiB block, a Mixtral-8x7B layer's 2.82 GB a 4 GiB one. Here the tensor's own
     pages are registered with the CUDA runtime instead (as torch's checkpoint stager does), and unregistered when its
     storage is freed (``benchmarks/pinned_host_memory.py`` measures both)."""
     t = torch.zeros(shape, dtype=dtype)
