@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import gc
 import itertools
 import json
 import statistics
@@ -922,17 +923,22 @@ def test_expert_copies_land_on_the_copy_stream_through_the_cuda_runtime_and_thro
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locking host memory needs a CUDA device")
 def test_stores_are_pinned_at_their_size_and_unpinned_when_freed():
+    cudart = torch.cuda.cudart()
     params = {"w": torch.randn(6, 3, 1000, dtype=torch.bfloat16)}  # E x ... (not a power of two in bytes)
     for store in (HostExperts.pack(params, pin=True), HostExperts.as_modules(params, pin=True)):
         host = store.packed if store.packed is not None else store.modules["w"]
-        assert host.is_pinned() and host.untyped_storage().nbytes() == host.numel() * host.element_size()
-        rows = host.view(6, -1)
-        assert torch.equal(rows.to("cuda", non_blocking=True).cpu(), params["w"].view(6, -1))
-    t = host_zeros((3, 5000), torch.float32, pin=True)
-    ptr = t.untyped_storage().data_ptr()
-    del t, store, host, rows
-    # its registration went with it: unregistering again is refused (a registration left behind would succeed)
-    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
+        ptr, size = host.untyped_storage().data_ptr(), host.untyped_storage().nbytes()
+        assert host.is_pinned() and size == host.numel() * host.element_size()
+        # its own pages registered (memory torch's pin_memory allocates is not registered: that would be refused),
+        # taken off and put back; no call here fails, as a failed runtime call would be read by the next launch check
+        assert int(cudart.cudaHostUnregister(ptr)) == 0 and int(cudart.cudaHostRegister(ptr, size, 1)) == 0
+        assert torch.equal(host.view(6, -1).to("cuda", non_blocking=True).cpu(), params["w"].view(6, -1))
+    t = host_zeros((3, 5000), torch.float32, pin=True)  # 60 KB: heap memory, still mapped once freed
+    ptr, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+    del t, store, host
+    gc.collect()
+    # its registration went with it: the range registers anew (a registration left behind would be refused)
+    assert int(cudart.cudaHostRegister(ptr, size, 1)) == 0 and int(cudart.cudaHostUnregister(ptr)) == 0
 
 
 def test_host_zeros_unpinned_is_plain_host_memory_and_a_refused_pin_says_what_to_do(monkeypatch):
