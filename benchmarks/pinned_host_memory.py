@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
                 row[way] = measure(way, shape.num_experts, row_bytes, args.layers)
                 row[way]["vs_store_bytes"] = row[way]["host_bytes_per_layer"] / store_bytes
             rows.append(row)
+            ours, torchs = row["host_zeros"], row["pin_memory"]
             print(f"{name:>14} {fmt:>5}: a layer's store {store_bytes / GB:.2f} GB; pinned by host_zeros "
-                  f"{row['host_zeros']['vs_store_bytes']:.2f}x its bytes at {row['host_zeros']['copy_gbps']:.1f} GB/s, "
-                  f"by pin_memory {row['pin_memory']['vs_store_bytes']:.2f}x at {row['pin_memory']['copy_gbps']:.1f} GB/s")
+                  f"{ours['vs_store_bytes']:.2f}x its bytes at {ours['copy_gbps']:.1f} GB/s, "
+                  f"by pin_memory {torchs['vs_store_bytes']:.2f}x at {torchs['copy_gbps']:.1f} GB/s")
     result = {"layers": args.layers, "rows": rows}
     write_result(args.out, result)
     return result

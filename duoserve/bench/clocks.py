@@ -173,7 +173,8 @@ class SimCompute:
     def begin_call(self, host_ms: float, tokens: int, grouped_host_ms: float) -> None:
         """A layer call of ``tokens`` starts; ``host_ms``: its host time after its routing read, spent before its first
         group is launched (its fetches, if any, are queued before it: their copies run while the host works), where
-        it computes in one group (``compute_all``); ``grouped_host_ms`` where it computes in groups (``add_group``: a prefill's path, which a decode call takes when its experts do not fit the cache)."""
+        it computes in one group (``compute_all``); ``grouped_host_ms`` where it computes in groups (``add_group``: a
+        prefill's path, which a decode call takes when its experts do not fit the cache)."""
         self.groups, self.call_host_ms, self.grouped_host_ms, self.tokens = 0, host_ms, grouped_host_ms, tokens
 
     def _counts(self, rows: np.ndarray) -> list[int]:
