@@ -55,16 +55,20 @@ class SimStreams:
     def on(self, stream):
         return nullcontext()
 
+    # comparisons, not max(): these run several times per simulated layer call, and a builtin call costs more
     def record(self, stream=None) -> _Event:
-        return _Event(self, max((stream or self.compute).t, self.host))
+        t = (stream or self.compute).t
+        return _Event(self, t if t > self.host else self.host)
 
     def wait(self, stream: _Clock, event: _Event | None) -> None:
         if event is None:
             return
-        start = max(stream.t, self.host)
-        if event.t > start and stream is self.compute:
-            self.stall_ms += event.t - start
-        stream.t = max(start, event.t)
+        start = stream.t if stream.t > self.host else self.host
+        if event.t > start:
+            if stream is self.compute:
+                self.stall_ms += event.t - start
+            start = event.t
+        stream.t = start
 
     def run(self, stream: _Clock, ms: float, copy: bool = False) -> None:
         """``ms`` of work queued now on ``stream``; a ``copy`` on the compute stream stalls its compute."""
