@@ -20,8 +20,9 @@
 #   PART=dtypes      issue 27's ratios: duoserve (oracle:1) on Qwen's experts stored bf16 beside each quantized format
 #                    in one process (FORMATS, default "int4 fp8": one process each, bf16 + int4 = 58 + 15 GB, bf16 + fp8
 #                    = 58 + 29 GB of pinned host memory; all three in one process were killed on a 125 GB H200 host),
-#                    B=1 and 8, prompt 512, 16 tokens, two rounds interleaved (REPEATS)
-#                    -> runtime_full_dtypes_{int4,fp8}_qwen3-30b-a3b_h200.json
+#                    B=1 and 8, prompt 512, 16 tokens, two rounds interleaved (REPEATS); BUDGET gives both stores'
+#                    caches that --gpu-expert-budget (equal GPU memory), SUFFIX goes into the file's name
+#                    -> runtime_full_dtypes_{int4,fp8}${SUFFIX}_qwen3-30b-a3b_h200.json
 #   PART=int4-cache  int4 experts' prefill against the cache's size: duoserve (oracle:1) on Qwen's experts stored int4
 #                    with a cache of 16 slots (2k) and of 32 (288MiB of bf16 rows; SLOTS lists others), one process each,
 #                    B=1 and 8, prompt 512, 16 tokens, two rounds (the quantized prefill's groups take the whole cache;
@@ -72,7 +73,7 @@ dtypes)
     for fmt in ${FORMATS:-int4 fp8}; do
         bench --model "$SHAPES/qwen3-30b-a3b" --expert-dtype model --expert-dtype "$fmt" --batch-size 1 --batch-size 8 \
             --prompt-len 512 --new-tokens 16 --repeats "${REPEATS:-2}" --predictor oracle:1 --policy duoserve \
-            --out "$OUT/runtime_full_dtypes_${fmt}_qwen3-30b-a3b_h200.json"
+            ${BUDGET:+--gpu-expert-budget "$BUDGET"} --out "$OUT/runtime_full_dtypes_${fmt}${SUFFIX:-}_qwen3-30b-a3b_h200.json"
     done ;;
 int4-cache)
     for slots in ${SLOTS:-16 32}; do
