@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.costs import Costs
-from duoserve.runtime.quant import stage_chunk, stored_nbytes
+from duoserve.runtime.quant import STAGE_BUFFERS, stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, runs
 from duoserve.runtime.streams import CpuSections, NullTimers
 
@@ -123,14 +123,14 @@ class SimStore:
             streams.block(stream)
             return None
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
-        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to two alternating staging buffers, each
-            # chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded first: one
-            # more copy); a buffer is refilled once its last chunk is read
-            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None, None]})
+        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to ``STAGE_BUFFERS`` staging buffers in
+            # turn, each chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded
+            # first: one more copy); a buffer is refilled once its last chunk is read
+            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * STAGE_BUFFERS})
             step = max(self.chunk, 1)
             for i in range(0, n, step):
                 chunk = experts[i:i + step]
-                staging["next"] ^= 1
+                staging["next"] = (staging["next"] + 1) % STAGE_BUFFERS
                 streams.wait(stream, staging["read"][staging["next"]])
                 for *_, count in runs(chunk, range(len(chunk))):
                     streams.host += host

@@ -12,7 +12,7 @@ over stand-ins that do no work but advance clocks by a device profile's costs (`
             stalls), work queued at host time h on a stream starts no earlier than h
   stores    a fetched expert costs the host the profile's fetch cost for the cache's size (``fetch_host_us``) and
             its stream bytes / bandwidth at that copy's size (a per-module store: a blocking pageable fetch,
-            ``module_copy_ms``); a quantized one lands in one of two staging buffers (the engine's chunks) and is
+            ``module_copy_ms``); a quantized one lands in one of the staging buffers (the engine's chunks) and is
             then dequantized on the dequant stream, which alone waits for the slots' last readers
   compute   a group of experts with c_i tokens each costs the compute stream base + sum_i per_expert(c_i),
             both fitted from the profile's groups of 1 and k experts, and the host ``group_host_us`` (by the call's
