@@ -25,7 +25,7 @@ from duoserve.runtime.engine import OffloadEngine
 from duoserve.runtime.experts import Routing
 from duoserve.runtime.generation import offload, timed_generate
 from duoserve.runtime.policies import POLICIES
-from duoserve.runtime.quant import STAGE_BUFFERS
+from duoserve.runtime.quant import stage_buffers
 from duoserve.runtime.schedule import GroupedFetch
 from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import put_experts
@@ -512,18 +512,20 @@ def test_quantized_copies_run_ahead_of_the_compute_that_frees_their_slots():
 def test_quantized_copies_run_as_many_chunks_ahead_as_there_are_staging_buffers():
     """A fetch into slots a compute still reads: each chunk's dequantization waits for that compute, so its staging
     buffer stays full until then; the copy stream fills every staging buffer meanwhile (a prefill's look-ahead over
-    a large cache), and only the chunk after them waits."""
+    a large cache), and only the chunk after them waits. Experts of a pass each keep two buffers."""
     shape = ModelShape.of("embedded", dtype="float32")
+    buffers = stage_buffers(shape.layout)
+    assert buffers == 3 and stage_buffers(ModelShape.of("mixtral-8x7b", layers=1).layout) == 2
     streams = SimStreams()
-    cache = ExpertCache(shape.layout, STAGE_BUFFERS + 1, streams)
+    cache = ExpertCache(shape.layout, buffers + 1, streams)
     store = SimStore(shape.layout, Costs(cpu_profile(shape)), True, "int4")
     store.chunk = 1  # a pass an expert: one staging buffer a chunk
-    slots = cache.fetch(0, list(range(STAGE_BUFFERS + 1)), store, "prefill", set())
+    slots = cache.fetch(0, list(range(buffers + 1)), store, "prefill", set())
     cache.wait_ready(slots)
     streams.run(streams.compute, 100.0)  # far longer than the copies
     cache.release(slots)
     computed = streams.compute.t
-    cache.fetch(1, list(range(STAGE_BUFFERS)), store, "prefill", set())
+    cache.fetch(1, list(range(buffers)), store, "prefill", set())
     assert streams.copy.t < computed < streams.dequant.t  # every buffer filled during the compute
     cache.fetch(2, [0], store, "prefill", set())
     assert streams.copy.t > computed  # the next chunk waits for a buffer, read after the compute

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.costs import Costs
-from duoserve.runtime.quant import STAGE_BUFFERS, stage_chunk, stored_nbytes
+from duoserve.runtime.quant import stage_buffers, stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, runs
 from duoserve.runtime.streams import CpuSections, NullTimers
 
@@ -108,6 +108,7 @@ class SimStore:
         self.dequantizes = fmt != "model"
         self.row_bytes = stored_nbytes(layout, fmt)
         self.chunk = stage_chunk(layout)  # experts a quantized fetch dequantizes per pass
+        self.buffers = stage_buffers(layout)  # its staging buffers
 
     def copy_group(self, experts: list[int], slots: list[int], rows, streams: SimStreams, stream,
                    scratch) -> _Event | None:
@@ -123,14 +124,14 @@ class SimStore:
             streams.block(stream)
             return None
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
-        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to ``STAGE_BUFFERS`` staging buffers in
+        if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to its staging buffers (``stage_buffers``) in
             # turn, each chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded
             # first: one more copy); a buffer is refilled once its last chunk is read
-            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * STAGE_BUFFERS})
+            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * self.buffers})
             step = max(self.chunk, 1)
             for i in range(0, n, step):
                 chunk = experts[i:i + step]
-                staging["next"] = (staging["next"] + 1) % STAGE_BUFFERS
+                staging["next"] = (staging["next"] + 1) % self.buffers
                 streams.wait(stream, staging["read"][staging["next"]])
                 for *_, count in runs(chunk, range(len(chunk))):
                     streams.host += host

@@ -17,7 +17,7 @@ An expert is one row of Q bytes (``QuantLayout``: where each parameter's codes a
 A fetch copies those bytes to a device staging buffer on its stream and dequantizes them into the cache slot on
 the dequant stream (the cache keeps the model's dtype, so the expert kernels are unchanged: a
 dequantize-then-grouped-GEMM path), and ``ExpertCache.seal`` marks the slots ready on the dequant stream.
-``STAGE_BUFFERS`` staging buffers take chunks in turn, so the next copies overlap this dequantization: the copy
+Staging buffers (``stage_buffers``) take chunks in turn, so the next copies overlap this dequantization: the copy
 engine does not idle behind it, nor, for a chunk more, behind a dequantization that waits for its slots' readers.
 Only the dequantization waits for the slots' last readers (``ExpertCache.fetch``): with a cache of a layer's worth
 of slots (Mixtral's two), the next layer's copies to staging run during this layer's compute.
@@ -48,10 +48,6 @@ EXPERT_DTYPES = ("model", "fp8", "int4")
 BLOCK = FP8_BLOCK  # fp8 block side (that of the FP8 checkpoints read, loading.py) and int4 group size
 STAGE_BYTES = 96 << 20  # at most this many bytes of cache rows dequantized per pass of a fetch group, and at most
 STAGE_ROWS = 16  # this many experts (device scratch per stream)
-# staging buffers of a stream, taken in turn: two let a copy overlap the last chunk's dequantization; a third lets
-# a prefill's look-ahead copy on while a dequantization waits for its slots' last compute (Qwen3-30B-A3B's int4 at
-# 96 slots, B=8, simulated on the H200 profile: TTFT 330 ms with two, 307 with three, 305 with four)
-STAGE_BUFFERS = 3
 RING = 64  # host rows of slot ids a stream's passes upload from in turn
 _ALIGN = 16  # bytes: every segment of a stored row starts 16-byte aligned (fp32 scales, vector loads)
 _FP8 = torch.float8_e4m3fn
@@ -191,6 +187,15 @@ def stage_chunk(layout: ExpertLayout) -> int:
     return min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
 
 
+def stage_buffers(layout: ExpertLayout) -> int:
+    """Staging buffers a stream takes in turn for experts of ``layout``. Two let a copy overlap the last pass's
+    dequantization; a third lets a prefill's look-ahead copy on while a dequantization waits for its slots' last
+    compute (Qwen3-30B-A3B's int4 at 96 slots, B=8, simulated on the H200 profile: TTFT 330 ms with two, 307 with
+    three, 305 with four). Two where an expert is a pass of its own (over ``STAGE_BYTES``, Mixtral's): a buffer is
+    then a whole expert, and its caches hold a few slots, with no look-ahead to feed."""
+    return 3 if stage_chunk(layout) else 2
+
+
 def stored_nbytes(layout: ExpertLayout, fmt: str) -> int:
     """Bytes one expert of ``layout`` takes stored in ``fmt`` (model: its packed row)."""
     return layout.nbytes if check_expert_dtype(fmt) == "model" else QuantLayout.of(layout, fmt).nbytes
@@ -269,7 +274,7 @@ class QuantizedExperts(HostExperts):
 
 
 class _Staging:
-    """Device buffers for one stream's fetches into one cache's rows (``table``), ``STAGE_BUFFERS`` of each, taken in
+    """Device buffers for one stream's fetches into one cache's rows (``table``), ``stage_buffers`` of each, taken in
     turn so copies run ahead of the dequantizations: ``stored`` (chunk x Q bytes), ``slots`` (chunk slot ids, what
     each pass reads) and the event of each buffer's last read. A pass dequantizes its n staged experts straight into
     their slots (``dequantize_into``), the slot ids uploaded from a ring of ``RING`` host rows ahead of it. On a GPU
@@ -280,14 +285,15 @@ class _Staging:
     def __init__(self, store: QuantizedExperts, table: torch.Tensor, chunk: int):
         self.qlayout, self.layout, self.table = store.qlayout, store.layout, table
         device, cuda = table.device, table.device.type == "cuda"
+        count = stage_buffers(store.layout)
         self.stored = [Rows(torch.empty(chunk, store.row_bytes, dtype=torch.uint8, device=device))
-                       for _ in range(STAGE_BUFFERS)]
-        self.slots = list(torch.zeros(STAGE_BUFFERS, chunk, dtype=torch.int64, device=device).unbind(0))
+                       for _ in range(count)]
+        self.slots = list(torch.zeros(count, chunk, dtype=torch.int64, device=device).unbind(0))
         ring = torch.zeros(RING, chunk, dtype=torch.int64, pin_memory=cuda)  # RING x chunk, on the host
         self._ring_rows, self._ring_np = list(ring.unbind(0)), ring.numpy()
         self._ring_read: list = [None] * RING  # per ring row: an event after the pass that read its upload
         self._ring_next = 0
-        self.read: list = [None] * STAGE_BUFFERS
+        self.read: list = [None] * count
         self._next = 0
         self.fn = dequantizer(device)
         # one memory pool (the kernels' small scratch): the graphs replay one after another on one stream
@@ -296,7 +302,7 @@ class _Staging:
 
     def take(self) -> int:
         """The buffer to use next."""
-        self._next = (self._next + 1) % STAGE_BUFFERS
+        self._next = (self._next + 1) % len(self.read)
         return self._next
 
     def dequantize(self, b: int, targets: list[int], streams: Streams, stream) -> None:
