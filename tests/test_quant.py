@@ -23,7 +23,7 @@ from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, t
 from duoserve.runtime.cache import ExpertCache, popular_keys
 from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequantize, dequantize_into, dequantizer,
                                     make_store, quantize)
-from duoserve.runtime.scheduler import QUANTIZED_GROUP_BYTES, default_capacity
+from duoserve.runtime.scheduler import QUANTIZED_CACHE_BYTES, default_capacity
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
 
@@ -485,18 +485,20 @@ def test_a_stretch_of_consecutive_experts_into_consecutive_slots_is_one_copy(emb
 
 def test_a_quantized_default_cache_holds_enough_stored_bytes_for_a_prefill_group():
     """The caching policies' default cache over quantized experts grows (in whole top-k's, at most to twice the
-    default) until its slots store QUANTIZED_GROUP_BYTES: Qwen3-30B-A3B-wide int4 experts get 32 slots, fp8 ones keep
-    16 (their 16 store more than that already), tiny ones double; bf16 and the policies that keep nothing are as
-    before, and so is the count pinning leaves to the cache."""
+    default) until its slots store QUANTIZED_CACHE_BYTES: Qwen3-30B-A3B-wide fp8 and int4 experts get 32 slots (int4
+    capped there), tiny ones double; bf16 and the policies that keep nothing are as before, and so is the count
+    pinning leaves to the cache."""
     k, E = 8, 128
     # two experts of Qwen3-30B-A3B's widths (H 2048, I 768): a row's bytes do not depend on E
     params = {"gate_up_proj": torch.randn(2, 2 * 768, 2048) * 0.02, "down_proj": torch.randn(2, 2048, 768) * 0.02}
     stores = {fmt: make_store(params, fmt, pin=False) for fmt in ("model", "fp8", "int4")}
-    assert 16 * stores["fp8"].row_bytes >= QUANTIZED_GROUP_BYTES > 16 * stores["int4"].row_bytes
+    assert 32 * stores["fp8"].row_bytes >= QUANTIZED_CACHE_BYTES > 32 * stores["int4"].row_bytes
+    assert QUANTIZED_CACHE_BYTES > 16 * stores["fp8"].row_bytes
     duoserve, lru, on_demand = POLICIES["duoserve"], POLICIES["lru"], POLICIES["on-demand"]
-    assert [default_capacity(duoserve, E, k, 1, stores[f]) for f in ("model", "fp8", "int4")] == [16, 16, 32]
+    assert [default_capacity(duoserve, E, k, 1, stores[f]) for f in ("model", "fp8", "int4")] == [16, 32, 32]
     assert default_capacity(lru, E, k, 1, stores["int4"]) == 32
-    assert default_capacity(duoserve, E, k, 2, stores["int4"]) == 32  # 3k already stores 64 MiB
+    assert default_capacity(duoserve, E, k, 2, stores["fp8"]) == 32  # 3k, grown to 4k: 128 MiB
+    assert default_capacity(duoserve, E, k, 2, stores["int4"]) == 48  # 3k, grown to twice: 7k would store 128 MiB
     assert default_capacity(on_demand, E, k, 1, stores["int4"]) == k
     assert default_capacity(duoserve, E, k, 1) == 16  # no store: what pinning leaves the cache
     tiny = make_store({"gate_up_proj": torch.randn(2, 64, 64), "down_proj": torch.randn(2, 64, 32)}, "int4", pin=False)

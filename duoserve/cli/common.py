@@ -138,7 +138,7 @@ PolicyHelp = f"{', '.join(POLICIES)} (duoserve-run policies says what each does)
 BudgetOption = Annotated[Optional[str], typer.Option(
     help="Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
          "experts. [default: (1 + lookahead) x top-k experts; over fp8/int4 experts up to twice that, enough to "
-         "store 64 MiB of them]")]
+         "store 128 MiB of them]")]
 LookaheadOption = Annotated[int, typer.Option(
     help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. A trained predictor "
          "needs heads that deep (duoserve-train fit --lookahead D, D >= d); oracles take any.")]

@@ -53,19 +53,23 @@ from duoserve.runtime.streams import EngineTimers, Streams
 ROUTING_SECTION = "wait for routing"  # the host section of a layer call before it queues any fetch (profiles time it)
 
 
-# stored bytes a quantized store's prefill group should move at least (``default_capacity``): a group costs the host
-# about 0.6-1 ms to queue on an H100/H200, which 64 MiB of copies at 55 GB/s covers
-QUANTIZED_GROUP_BYTES = 64 << 20
+# stored bytes a default cache over quantized experts holds at least (``default_capacity``): the cache's worth is both
+# a prefill group and what the prefill copies ahead into the next layer, and a layer call of a long prompt spends about
+# 2 ms on the host before its first fetch is queued (4096 tokens, H100/H200), which 128 MiB of copies at 55 GB/s
+# covers (Qwen3-30B-A3B x48, fp8, B=8, prompt 512, one H100: TTFT 1.15-1.16x of its bound with 16 slots, 78 MiB
+# stored, 1.05-1.06x with 32; benchmarks/results/int4_staging_h100)
+QUANTIZED_CACHE_BYTES = 128 << 20
 
 
 def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: int = 1,
                      store: HostExperts | None = None) -> int:
     """Cache slots when no budget is given: k for the layer computing plus k for each layer looked ahead;
     k for policies that keep nothing; two whole layers for full-layer prefetch. A caching policy over a quantized
-    ``store`` holds up to twice as many, enough that the cache's slots store ``QUANTIZED_GROUP_BYTES``: its prefill
+    ``store`` holds up to twice as many, enough that the cache's slots store ``QUANTIZED_CACHE_BYTES``: its prefill
     computes the fetched experts in groups of the whole cache (``schedule.py``), and a group's host time does not
     shrink with its bytes, so groups of a quarter of the bytes (int4) left the copy stream idle (Qwen3-30B-A3B at 48
-    layers on an H100, B=1: TTFT 0.63-0.69 s with 16 slots, 0.33-0.39 s with 32; benchmarks/results/int4_cache_h100)."""
+    layers on an H100, B=1: TTFT 0.63-0.69 s with 16 slots, 0.33-0.39 s with 32; benchmarks/results/int4_cache_h100);
+    and the cache's worth is what the prefill reads ahead into the next layer while a long prompt's layer call starts."""
     if policy.host_compute:
         return 1  # nothing is computed from the device cache
     if policy.prefetch_layer:
@@ -74,7 +78,7 @@ def default_capacity(policy: Policy, num_experts: int, top_k: int, lookahead: in
         return top_k
     slots = (1 + lookahead) * top_k
     if store is not None and store.dequantizes:
-        wanted = -(-QUANTIZED_GROUP_BYTES // store.row_bytes)  # ceil
+        wanted = -(-QUANTIZED_CACHE_BYTES // store.row_bytes)  # ceil
         slots = min(2 * slots, max(slots, -(-wanted // top_k) * top_k))  # in whole top-k's
     return slots
 

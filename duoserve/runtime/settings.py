@@ -22,7 +22,7 @@ class EngineSettings:
 
     ``gpu_expert_budget``: bytes of device memory for cached experts (at least top-k of them); replaces the default
     of (1 + lookahead) x k slots of the caching policies (duoserve, lru; up to twice that over quantized experts, as
-    many as store 64 MiB of them: ``scheduler.default_capacity``); the others hold what their schedule needs.
+    many as store 128 MiB of them: ``scheduler.default_capacity``); the others hold what their schedule needs.
     ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a step
     predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor needs heads that deep
     (``duoserve-train fit --lookahead D`` with D >= d); oracles take any d.
