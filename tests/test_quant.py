@@ -22,7 +22,7 @@ from duoserve.loading import load_model
 from duoserve.runtime import POLICIES, EngineSettings, OffloadEngine, offload, timed_generate
 from duoserve.runtime.cache import ExpertCache, popular_keys
 from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequantize, dequantize_into, dequantizer,
-                                    make_store, quantize)
+                                    make_store, quantize, stage_buffers)
 from duoserve.runtime.scheduler import QUANTIZED_CACHE_BYTES, default_capacity
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
@@ -459,6 +459,39 @@ def test_an_fp8_checkpoint_on_cuda_keeps_the_experts_module_the_engine_drives(fp
     row = QuantLayout.of(ExpertLayout.of(expert_params(experts)), "fp8").nbytes
     assert offloaded.expert_dtype == "fp8" and offloaded.counters["bytes_h2d"]["decode"] == \
         offloaded.counters["copies"]["decode"] * row > 0
+
+
+def test_a_staged_group_is_dequantized_from_staging_and_only_the_chunks_past_the_buffers_cross_at_its_fetch():
+    """``stage`` copies a group's first chunks (one per staging buffer) before its slots are chosen; the fetch of the
+    group dequantizes those from staging and copies the rest then. Any other fetch in between drops them: they are
+    copied again at theirs."""
+    store = _mixed_store("int4")
+    store.chunk = 1
+    reference = store.params()
+    streams = Streams(torch.device("cpu"))
+    copies = []
+    queue = streams.copy_to_device
+    streams.copy_to_device = lambda dst, src, stream: copies.append(src.shape) or queue(dst, src, stream)
+    cache = ExpertCache(store.layout, 4, streams)
+    experts = [3, 1, 0, 2]  # no two consecutive: a copy each
+    cache.stage(0, experts, store)
+    staged = stage_buffers(store.layout)
+    assert len(copies) == staged == 3  # the first three, one buffer each
+    written = store.packed.clone()
+    store.packed.zero_()  # what crosses from here on dequantizes to zeros
+    slots = cache.fetch(0, experts, store, "prefill", set())
+    for e, slot in zip(experts, slots):
+        held = {name: view[slot] for name, view in cache.views.items()}
+        expected = reference if e in experts[:staged] else {n: torch.zeros_like(v) for n, v in reference.items()}
+        assert all(torch.equal(held[n], expected[n][e]) for n in reference), e
+    assert cache.stats.bytes["prefill"] == len(experts) * store.row_bytes  # counted at the fetch, staged ones too
+    store.packed.copy_(written)
+    cache.stage(1, [0, 1], store)
+    cache.fetch(0, [2], store, "prefill", {(0, e) for e in experts[1:]})  # another group: staging is its
+    store.packed.zero_()
+    slots = cache.fetch(1, [0, 1], store, "prefill", {(0, 2)})
+    for slot in slots:  # copied anew
+        assert torch.equal(cache.views["down_proj"][slot], torch.zeros_like(reference["down_proj"][0]))
 
 
 @pytest.mark.parametrize("fmt", ["model", "fp8"])

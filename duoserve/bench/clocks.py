@@ -125,22 +125,19 @@ class SimStore:
             return None
         host, copy = self.host_ms, costs.copy_ms(self.row_bytes)
         if self.dequantizes:  # as ``QuantizedExperts.copy_group``: chunks to its staging buffers (``stage_buffers``) in
-            # turn, each chunk dequantized straight into its slots on its own stream once it lands (their ids uploaded
-            # first: one more copy); a buffer is refilled once its last chunk is read
-            staging = scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * self.buffers})
-            step = max(self.chunk, 1)
-            for i in range(0, n, step):
-                chunk = experts[i:i + step]
-                staging["next"] = (staging["next"] + 1) % self.buffers
-                streams.wait(stream, staging["read"][staging["next"]])
-                for *_, count in runs(chunk, range(len(chunk))):
-                    streams.host += host
-                    streams.run(stream, count * copy, copy=True)
-                streams.wait(streams.dequant, streams.record(stream))
+            # turn (or found there, ``stage``), each chunk dequantized straight into its slots on its own stream once it
+            # lands (their ids uploaded first: one more copy); a buffer is refilled once its last chunk is read
+            staging = self._staging(stream, scratch)
+            b = None
+            for chunk in self._chunks(experts):
+                found = staging["staged"].pop((self, tuple(chunk)), None)
+                b, copied = found if found is not None else self._copy_chunk(chunk, staging, streams, stream)
+                streams.wait(streams.dequant, copied)
                 streams.host += host if self.pass_host_ms is None else self.pass_host_ms
                 streams.run(streams.dequant, len(chunk) * costs.dequant_ms[self.fmt])
-                staging["read"][staging["next"]] = streams.record(streams.dequant)
-            return staging["read"][staging["next"]]
+                staging["read"][b] = streams.record(streams.dequant)
+            staging["staged"].clear()
+            return staging["read"][b]
         spans = runs(experts, slots)
         h = streams.host
         streams.host = h + len(spans) * host
@@ -148,6 +145,31 @@ class SimStore:
         stream.t = max(start + n * copy, h + host + n * copy, h + len(spans) * host + spans[-1][2] * copy)
         if stream is streams.compute:
             streams.stall_ms += n * copy
+
+    def stage(self, experts: list[int], rows, streams: SimStreams, stream, scratch) -> None:
+        """As ``QuantizedExperts.stage``: the first chunks of ``experts`` copied to staging buffers, as many as there
+        are buffers, for the next ``copy_group`` of them to dequantize."""
+        staging = self._staging(stream, scratch)
+        for chunk in self._chunks(experts)[:self.buffers]:
+            staging["staged"][self, tuple(chunk)] = self._copy_chunk(chunk, staging, streams, stream)
+
+    def _staging(self, stream, scratch) -> dict:
+        return scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * self.buffers, "staged": {}})
+
+    def _chunks(self, experts: list[int]) -> list[list[int]]:
+        step = max(self.chunk, 1)
+        return [experts[i:i + step] for i in range(0, len(experts), step)]
+
+    def _copy_chunk(self, chunk: list[int], staging: dict, streams: SimStreams, stream) -> tuple[int, _Event]:
+        """Copy ``chunk`` to the next staging buffer once its last chunk is read; (the buffer, the copies' event)."""
+        b = staging["next"] = (staging["next"] + 1) % self.buffers
+        if staging["staged"]:  # what was staged in it is overwritten
+            staging["staged"] = {key: found for key, found in staging["staged"].items() if found[0] != b}
+        streams.wait(stream, staging["read"][b])
+        for *_, count in runs(chunk, range(len(chunk))):
+            streams.host += self.host_ms
+            streams.run(stream, count * self.costs.copy_ms(self.row_bytes), copy=True)
+        return b, streams.record(stream)
 
 
 class SimTimers:

@@ -245,24 +245,44 @@ class QuantizedExperts(HostExperts):
 
     def copy_group(self, experts: list[int], slots: list[int], rows: Rows, streams: Streams, stream,
                    scratch: dict):
-        """Queue on ``stream`` the copies of ``experts``' stored rows to staging and, on the dequant stream, their
-        dequantization into cache ``slots`` (``rows``: the cache's S x P rows), a pass per chunk of experts, each
-        copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's device buffers for it. Returns
-        the event after the last pass (the slots' ready event, ``ExpertCache.seal``)."""
+        """Queue on ``stream`` the copies of ``experts``' stored rows to staging (unless ``stage`` queued them) and,
+        on the dequant stream, their dequantization into cache ``slots`` (``rows``: the cache's S x P rows), a pass
+        per chunk of experts, each copy moving a stretch of consecutive rows (``runs``); ``scratch``: the cache's
+        device buffers for it. Returns the event after the last pass (the slots' ready event,
+        ``ExpertCache.seal``)."""
         stage = self._stage(rows.table, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
         step, done = max(self.chunk, 1), None
         for i in range(0, len(experts), step):
             chunk, targets = experts[i:i + step], slots[i:i + step]
-            n, b = len(chunk), stage.take()
-            streams.wait(stream, stage.read[b])  # its last dequantization has read this staging buffer
-            for e, j, count in runs(chunk, range(n)):
-                streams.copy_to_device(stage.stored[b].span(j, count), self.rows.span(e, count), stream)
-            streams.wait(work, streams.record(stream))
+            found = stage.staged.pop((self, tuple(chunk)), None) if stage.staged else None
+            b, copied = found if found is not None else self._copy(chunk, stage, streams, stream)
+            streams.wait(work, copied)
             with streams.on(work):
                 stage.dequantize(b, targets, streams, work)
             done = stage.read[b]
+        stage.staged.clear()  # what was staged for another group would be stale by its fetch
         return done
+
+    def stage(self, experts: list[int], rows: Rows, streams: Streams, stream, scratch: dict) -> None:
+        """Queue on ``stream`` the copies of the first chunks of ``experts`` to staging, as many chunks as there are
+        buffers, before any slot is chosen for them: the next ``copy_group`` of the same experts (in the same order)
+        then only dequantizes them. A prefill call stages its first fetched group while it computes its cached
+        experts, which must run before their slots can be refilled (``schedule.py``)."""
+        stage = self._stage(rows.table, stream, scratch)
+        step = max(self.chunk, 1)
+        for i in range(0, min(len(experts), step * len(stage.read)), step):
+            chunk = experts[i:i + step]
+            stage.staged[self, tuple(chunk)] = self._copy(chunk, stage, streams, stream)
+
+    def _copy(self, chunk: list[int], stage: _Staging, streams: Streams, stream) -> tuple[int, object]:
+        """Queue the copies of ``chunk``'s stored rows into the next staging buffer once its last pass has read it;
+        (the buffer, the event after the copies)."""
+        b = stage.take()
+        streams.wait(stream, stage.read[b])  # its last dequantization has read this staging buffer
+        for e, j, count in runs(chunk, range(len(chunk))):
+            streams.copy_to_device(stage.stored[b].span(j, count), self.rows.span(e, count), stream)
+        return b, streams.record(stream)
 
     def params(self, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
         """The E x ... parameters, dequantized, on ``device`` (the model put back holds what the engine computed)."""
@@ -295,15 +315,18 @@ class _Staging:
         self._ring_next = 0
         self.read: list = [None] * count
         self._next = 0
+        self.staged: dict[tuple, tuple[int, object]] = {}  # (store, chunk) -> (buffer, copied event): ``stage``'s
         self.fn = dequantizer(device)
         # one memory pool (the kernels' small scratch): the graphs replay one after another on one stream
         self._pool = torch.cuda.graph_pool_handle() if cuda else None
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
 
     def take(self) -> int:
-        """The buffer to use next."""
-        self._next = (self._next + 1) % len(self.read)
-        return self._next
+        """The buffer to use next (what was staged in it is overwritten)."""
+        self._next = b = (self._next + 1) % len(self.read)
+        if self.staged:
+            self.staged = {key: found for key, found in self.staged.items() if found[0] != b}
+        return b
 
     def dequantize(self, b: int, targets: list[int], streams: Streams, stream) -> None:
         """Dequantize ``stored[b][:n]`` into the table's rows ``targets`` (n slots) on ``stream``, the current one,

@@ -6,7 +6,9 @@ computed as soon as it lands. With a copy stream (policies with ``overlap``), gr
 next group's copies are queued before this group's compute, so the copy stream always has work while the
 host queues compute. A quantized store's copies land in staging and only their dequantization waits for the
 slots' last compute, so its groups take the whole cache (``group_size``): the next group is queued after this
-one's compute and its copies still run during it. Without a copy stream (on-demand), each group is copied on
+one's compute and its copies still run during it; and its first group's copies go to staging before the cached
+experts' compute is queued (``ExpertCache.stage``), so the copy stream is busy while the host queues that compute,
+whose slots the group's dequantization then takes. Without a copy stream (on-demand), each group is copied on
 the compute stream and waited for.
 
 Shape legend: T tokens of the call, H hidden size, n (token, expert) pairs of a group.
@@ -43,8 +45,9 @@ class GroupedFetch:
         return max(1, slots if self.overlap and staged(store, self.streams) else slots // 2)
 
     def compute_cached(self, l: int, hidden: torch.Tensor, weights: torch.Tensor, routing: Routing,
-                       hits: dict[int, int]) -> torch.Tensor:
-        """T x H fp32 sum of layer ``l``'s cached experts ``hits`` (expert -> slot), computed first in one group."""
+                       hits: dict[int, int], missing: list[int]) -> torch.Tensor:
+        """T x H fp32 sum of layer ``l``'s cached experts ``hits`` (expert -> slot), computed first in one group; the
+        first of the ``missing`` experts' copies go to staging before it where the store stages them."""
         timers = self.timers
         out = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)  # T x H, summed in fp32
         if hits:
@@ -55,6 +58,11 @@ class GroupedFetch:
                 rows = self.compute.upload(routing.rows(hits, self.cache.slots), self.stream)
                 apart = self.stream is not self.streams.compute  # else stream order already holds the compute
                 uploaded = self.streams.record(self.stream) if apart else None
+            store = self.stores[l]
+            if missing and self.overlap and staged(store, self.streams):
+                # the first group's copies run while this group computes; their slots are chosen once it is queued
+                with timers.cpu(FETCH_SECTION):
+                    self.cache.stage(l, missing[:self.group_size(store)], store, self.stream)
             with timers.stall.span():
                 self.cache.wait_ready(hits.values())
                 self.streams.wait(self.streams.compute, uploaded)

@@ -209,7 +209,7 @@ class ExpertScheduler:
                     prefetched = True
             out = self.compute.compute_all(l, hidden, weights, inputs, slots)
         else:
-            out = self.grouped.compute_cached(l, hidden, weights, routing, hits)
+            out = self.grouped.compute_cached(l, hidden, weights, routing, hits, missing)
             scores = plan.launch(l, hidden, idx, routed, targets) if plan is not None else None
             out = self.grouped.fetch_missing(l, hidden, weights, routing, missing, self.phase, out)
         if targets and defer:
