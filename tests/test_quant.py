@@ -474,7 +474,7 @@ def test_a_staged_group_is_dequantized_from_staging_and_only_the_chunks_past_the
     streams.copy_to_device = lambda dst, src, stream: copies.append(src.shape) or queue(dst, src, stream)
     cache = ExpertCache(store.layout, 4, streams)
     experts = [3, 1, 0, 2]  # no two consecutive: a copy each
-    cache.stage(0, experts, store)
+    cache.stage(experts, store)
     staged = stage_buffers(store.layout)
     assert len(copies) == staged == 3  # the first three, one buffer each
     written = store.packed.clone()
@@ -486,7 +486,7 @@ def test_a_staged_group_is_dequantized_from_staging_and_only_the_chunks_past_the
         assert all(torch.equal(held[n], expected[n][e]) for n in reference), e
     assert cache.stats.bytes["prefill"] == len(experts) * store.row_bytes  # counted at the fetch, staged ones too
     store.packed.copy_(written)
-    cache.stage(1, [0, 1], store)
+    cache.stage([0, 1], store)
     cache.fetch(0, [2], store, "prefill", {(0, e) for e in experts[1:]})  # another group: staging is its
     store.packed.zero_()
     slots = cache.fetch(1, [0, 1], store, "prefill", {(0, 2)})

@@ -547,7 +547,7 @@ def test_a_staged_groups_copies_cross_while_its_slots_are_still_read_and_its_fet
     streams.run(streams.compute, 100.0)  # far longer than the copies
     group, before = list(range(buffers + 1)), streams.copy.t
     copy, dequant = costs.copy_ms(store.row_bytes), costs.dequant_ms["int4"]
-    cache.stage(1, group, store)
+    cache.stage(group, store)
     assert before + buffers * copy <= streams.copy.t < streams.compute.t  # a chunk a buffer, during the compute
     cache.release(slots)
     computed = streams.compute.t

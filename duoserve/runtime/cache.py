@@ -193,11 +193,11 @@ class ExpertCache:
             self.seal(slots, stream, more=False)
         return slots
 
-    def stage(self, layer: int, experts: list[int], store: HostExperts, stream=None) -> None:
-        """Copy the first of ``experts`` of ``layer`` (none of them cached) to ``store``'s staging on ``stream``
-        (default: the copy stream) before any slot is chosen for them: a store that stages its copies
-        (``store.staged``) then only dequantizes them when the next ``fetch`` of them comes. Bytes and copies count
-        at that fetch."""
+    def stage(self, experts: list[int], store: HostExperts, stream=None) -> None:
+        """Copy the first of ``experts`` (none of them cached) to ``store``'s staging on ``stream`` (default: the copy
+        stream) before any slot is chosen for them; only for a store that stages its copies (``staged``: a
+        quantized one), which then only dequantizes them when the next ``fetch`` of them comes.
+        Bytes and copies count at that fetch."""
         store.stage(experts, self.rows, self.streams, stream or self.streams.copy, self.scratch)
 
     def seal(self, slots: list[int], stream=None, more: bool = True) -> None:

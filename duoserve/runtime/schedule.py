@@ -62,7 +62,7 @@ class GroupedFetch:
             if missing and self.overlap and staged(store, self.streams):
                 # the first group's copies run while this group computes; their slots are chosen once it is queued
                 with timers.cpu(FETCH_SECTION):
-                    self.cache.stage(l, missing[:self.group_size(store)], store, self.stream)
+                    self.cache.stage(missing[:self.group_size(store)], store, self.stream)
             with timers.stall.span():
                 self.cache.wait_ready(hits.values())
                 self.streams.wait(self.streams.compute, uploaded)
