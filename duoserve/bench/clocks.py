@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from duoserve.bench.costs import Costs
-from duoserve.runtime.quant import stage_buffers, stage_chunk, stored_nbytes
+from duoserve.runtime.quant import chunks, stage_buffers, stage_chunk, stored_nbytes
 from duoserve.runtime.store import ExpertLayout, runs
 from duoserve.runtime.streams import CpuSections, NullTimers
 
@@ -129,7 +129,7 @@ class SimStore:
             # lands (their ids uploaded first: one more copy); a buffer is refilled once its last chunk is read
             staging = self._staging(stream, scratch)
             b = None
-            for chunk in self._chunks(experts):
+            for chunk in chunks(experts, self.chunk):
                 found = staging["staged"].pop((self, tuple(chunk)), None)
                 b, copied = found if found is not None else self._copy_chunk(chunk, staging, streams, stream)
                 streams.wait(streams.dequant, copied)
@@ -150,15 +150,11 @@ class SimStore:
         """As ``QuantizedExperts.stage``: the first chunks of ``experts`` copied to staging buffers, as many as there
         are buffers, for the next ``copy_group`` of them to dequantize."""
         staging = self._staging(stream, scratch)
-        for chunk in self._chunks(experts)[:self.buffers]:
+        for chunk in chunks(experts, self.chunk)[:self.buffers]:
             staging["staged"][self, tuple(chunk)] = self._copy_chunk(chunk, staging, streams, stream)
 
     def _staging(self, stream, scratch) -> dict:
         return scratch.setdefault(("staging", id(stream)), {"next": 0, "read": [None] * self.buffers, "staged": {}})
-
-    def _chunks(self, experts: list[int]) -> list[list[int]]:
-        step = max(self.chunk, 1)
-        return [experts[i:i + step] for i in range(0, len(experts), step)]
 
     def _copy_chunk(self, chunk: list[int], staging: dict, streams: SimStreams, stream) -> tuple[int, _Event]:
         """Copy ``chunk`` to the next staging buffer once its last chunk is read; (the buffer, the copies' event)."""

@@ -187,6 +187,12 @@ def stage_chunk(layout: ExpertLayout) -> int:
     return min(STAGE_ROWS, STAGE_BYTES // layout.nbytes)
 
 
+def chunks(items: list[int], chunk: int) -> list[list[int]]:
+    """``items`` in the passes a quantized fetch takes them in: runs of ``chunk`` (``stage_chunk``; 0: one each)."""
+    step = max(chunk, 1)
+    return [items[i:i + step] for i in range(0, len(items), step)]
+
+
 def stage_buffers(layout: ExpertLayout) -> int:
     """Staging buffers a stream takes in turn for experts of ``layout``. Two let a copy overlap the last pass's
     dequantization; a third lets a prefill's look-ahead copy on while a dequantization waits for its slots' last
@@ -253,7 +259,7 @@ class QuantizedExperts(HostExperts):
         stage = self._stage(rows.table, stream, scratch)
         work = streams.dequant if streams.dequant is not None else stream
         step, done = max(self.chunk, 1), None
-        for i in range(0, len(experts), step):
+        for i in range(0, len(experts), step):  # ``chunks``' passes, inline: a decode step's fetches are on this path
             chunk, targets = experts[i:i + step], slots[i:i + step]
             found = stage.staged.pop((self, tuple(chunk)), None) if stage.staged else None
             b, copied = found if found is not None else self._copy(chunk, stage, streams, stream)
@@ -270,9 +276,7 @@ class QuantizedExperts(HostExperts):
         then only dequantizes them. A prefill call stages its first fetched group while it computes its cached
         experts, which must run before their slots can be refilled (``schedule.py``)."""
         stage = self._stage(rows.table, stream, scratch)
-        step = max(self.chunk, 1)
-        for i in range(0, min(len(experts), step * len(stage.read)), step):
-            chunk = experts[i:i + step]
+        for chunk in chunks(experts, self.chunk)[:len(stage.read)]:
             stage.staged[self, tuple(chunk)] = self._copy(chunk, stage, streams, stream)
 
     def _copy(self, chunk: list[int], stage: _Staging, streams: Streams, stream) -> tuple[int, object]:
