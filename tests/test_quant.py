@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib.util
 import json
@@ -26,6 +27,7 @@ from duoserve.runtime.quant import (BLOCK, QuantizedExperts, QuantLayout, dequan
 from duoserve.runtime.scheduler import QUANTIZED_CACHE_BYTES, default_capacity
 from duoserve.runtime.store import ExpertLayout, HostExperts, drop_experts, expert_params, put_experts
 from duoserve.runtime.streams import Streams
+from tests.conftest import load_benchmark
 
 PROMPTS = ["Question: what is 3 + 4?", "Context: Bob lives in Paris. Question: where does Bob live?\nAnswer:"]
 PACKED = [name for name, p in POLICIES.items() if p.quantizable]
@@ -552,3 +554,21 @@ def test_an_engine_over_quantized_experts_takes_the_larger_default_cache(embedde
                            settings=EngineSettings(gpu_expert_budget=budget)) as engine:
             assert engine.cache.slots == k + 1
         put_experts(find_moe_layers(model), stores, "cpu")
+
+
+def test_the_pinning_report_runs_duoserve_with_the_traces_predictor_with_and_without_pins(embedded_trace,
+                                                                                          embedded_predictor, tmp_path):
+    """benchmarks/runtime_pinning.py on a real trace with a trained predictor: beside lru, duoserve and duoserve + pin,
+    the predictor's two rows, whose prefetch copies experts ahead (the others copy none) and whose pinned row holds
+    the budget's pins."""
+    pinning = load_benchmark("runtime_pinning")
+    args = argparse.Namespace(small=True, budgets="25%", prompt_len=16, new_tokens=6, prefetch_min_score=0.0)
+    runs = [r for r in pinning.run_trace("embedded", embedded_trace.path, str(embedded_predictor), args,
+                                         torch.device("cpu"), tmp_path) if "policy" in r]
+    rows = {pinning.who(r): r for r in runs}
+    assert list(rows) == ["lru", "duoserve", "duoserve + pin", "duoserve + predictor", "duoserve + predictor + pin"]
+    for name, r in rows.items():
+        assert r["predicted"] == ("predictor" in name) and r["pinned"] == name.endswith("pin")
+        assert (r["prefetched"] > 0) == r["predicted"]
+        assert (r["pinned_experts"] > 0) == r["pinned"]
+    assert rows["duoserve + pin"]["pinned_experts"] == rows["duoserve + predictor + pin"]["pinned_experts"]
