@@ -16,7 +16,7 @@ Needs no GPU (about 5 minutes on one core).
 from __future__ import annotations
 
 import dataclasses
-import math
+import sys
 from pathlib import Path
 
 from rich.console import Console
@@ -29,6 +29,9 @@ from duoserve.features.stats import compute_stats
 from duoserve.runtime.cache import popular_keys
 from duoserve.trace.format import open_trace
 
+sys.path.insert(0, str(Path(__file__).parent))
+from runtime_pinning import budget_slots  # noqa: E402  (a sibling script)
+
 PROFILE = "benchmarks/results/simulate_h200_v8/h200-qwen3-30b-a3b-substrate.json"
 # (policy, predictor given, prefetch minimum score): the rows of each budget and pinning
 ROWS = (("lru", False, 0.0), ("duoserve", False, 0.0), ("duoserve", True, 0.0), ("duoserve", True, 0.5))
@@ -40,13 +43,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--traces", type=Path, default=Path("benchmarks/data/substrate/traces"))
     ap.add_argument("--shape", default="qwen3-30b-a3b-substrate", help="the model shape (duoserve.bench.shapes)")
     ap.add_argument("--profile", default=PROFILE, help="a device profile of that shape")
-    ap.add_argument("--budgets", default="10%,25%,50%", help="shares of the L x E experts")
+    ap.add_argument("--budgets", default="10%,25%,50%", help="k, 2k or shares of the L x E experts")
     args = ap.parse_args(argv)
     keys = tuple(popular_keys(compute_stats(open_trace(args.traces)).popularity))
     shape = ModelShape.of(args.shape)
     rows = []
     for budget in args.budgets.split(","):
-        slots = math.floor(shape.num_layers * shape.num_experts * float(budget.rstrip("%")) / 100)
+        slots = budget_slots(budget, shape.num_layers, shape.num_experts, shape.top_k)
         for pinned in (False, True):
             # one study a budget and pinning: the predictor's scores on the trace are computed once for its rows
             study = Study(SimulateSettings(model_shape=args.shape, profile=args.profile, traces=args.traces,
