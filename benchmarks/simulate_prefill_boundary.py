@@ -8,7 +8,8 @@ and each dequantization pass's (``dequant_host_us``).
 The copy stream idles at each layer boundary from the end of the prefill's look-ahead into layer l+1 (the
 cache's free slots' worth of copies) until layer l+1's first fetch: meanwhile the device computes layer l's last
 group and layer l+1's attention, and the host reads the router and queues the call's cached experts
-(``runtime/scheduler.py``, step 5). Needs no GPU.
+(``runtime/scheduler.py``, step 5). Last, at that cache size, where the copy stream idles in that prefill: before
+which step's copies, waiting for the host or for a staging buffer (``copy_waits``). Needs no GPU.
 
     python benchmarks/simulate_prefill_boundary.py --out benchmarks/results/simulate_prefill_boundary_h200.json
 """
@@ -16,6 +17,7 @@ group and layer l+1's attention, and the host reads the router and queues the ca
 from __future__ import annotations
 
 import copy
+import traceback
 
 from rich.console import Console
 from rich.table import Table
@@ -42,20 +44,63 @@ def scaled_host(profile: dict, first: float, groups: float, passes: float) -> di
     return out
 
 
-def prefill(shape: ModelShape, profile: dict, fmt: str, slots: int, batch: int, prompt: int) -> dict:
-    """One timed prefill after a warm-up generation: TTFT, the copy stream's busy and idle time, in ms."""
-    costs = Costs(profile)
+def _prefill_run(shape: ModelShape, profile: dict, fmt: str, slots: int, batch: int, prompt: int):
+    """A simulator of duoserve (oracle:1) at ``slots`` and its passes: a warm-up generation, then the timed prefill."""
     settings = EngineSettings(gpu_expert_budget=slots * shape.layout.nbytes)
-    sim = Simulator(shape, costs, POLICIES["duoserve"], "oracle:1", settings, expert_dtype=fmt)
+    sim = Simulator(shape, Costs(profile), POLICIES["duoserve"], "oracle:1", settings, expert_dtype=fmt)
     routing = RandomRouting(shape.num_layers, shape.num_experts, shape.top_k, seed=0)
     passes = [(-1, p) for p in generation_passes(routing, batch, prompt, 2)]
     passes.append((0, next(iter(generation_passes(routing, batch, prompt, 2)))))
+    return sim, passes
+
+
+def prefill(shape: ModelShape, profile: dict, fmt: str, slots: int, batch: int, prompt: int) -> dict:
+    """One timed prefill after a warm-up generation: TTFT, the copy stream's busy and idle time, in ms."""
+    sim, passes = _prefill_run(shape, profile, fmt, slots, batch, prompt)
     result = run(sim, passes)
-    store = sim.scheduler.stores[0]
-    busy = result["copies"]["prefill"] * costs.copy_ms(store.row_bytes)
+    busy = result["copies"]["prefill"] * sim.costs.copy_ms(sim.scheduler.stores[0].row_bytes)
     ttft = result["ttft_ms"]["p50"]
     return {"ttft_ms": ttft, "copy_busy_ms": busy, "copy_idle_ms": ttft - busy, "x_bound": ttft / busy,
             "cache_slots": result["cache_slots"]}
+
+
+# the schedule's steps that queue a prefill's copies (``runtime/schedule.py``, ``runtime/scheduler.py``), by the
+# engine function that queues them
+STEPS = {"stage": "the first fetched group, staged", "fetch_missing": "a fetched group",
+         "copy_ahead": "the look-ahead into the next layer"}
+
+
+def copy_waits(shape: ModelShape, profile: dict, fmt: str, slots: int, batch: int, prompt: int) -> dict[str, float]:
+    """Where one timed prefill's copy stream idles, in ms: before each copy, by what it waited for (the host, which
+    queued it only then, or an event: a staging buffer's last read) and by the step of the schedule that queued it
+    (``STEPS``), and at the pass's start and end."""
+    sim, passes = _prefill_run(shape, profile, fmt, slots, batch, prompt)
+    run(sim, passes[:-1])
+    streams, spans = sim.streams, []
+    streams.synchronize()  # as ``run`` starts a timed pass: on an idle device
+    queue = streams.run
+
+    def traced(stream, ms: float, copy: bool = False) -> None:
+        queued = streams.host
+        queue(stream, ms, copy)
+        if stream is streams.copy:
+            names = [frame.name for frame in traceback.extract_stack(limit=12)]
+            step = next((STEPS[n] for n in reversed(names) if n in STEPS), "another step")
+            spans.append((stream.t - ms, stream.t, queued, step))
+
+    start = streams.host
+    streams.run = traced  # this simulator's copies only, for one pass
+    try:
+        sim.forward(passes[-1][1])
+    finally:
+        del streams.run
+    waits = {"the pass's start, before its first copy": spans[0][0] - start}
+    for (_, end, _, _), (begin, _, queued, step) in zip(spans, spans[1:]):
+        if begin > end:
+            cause = "the host" if begin <= queued else "a staging buffer"
+            waits[f"{cause}, before {step}"] = waits.get(f"{cause}, before {step}", 0.0) + begin - end
+    waits["the pass's end, after its last copy"] = streams.host - spans[-1][1]
+    return waits
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -88,8 +133,16 @@ def main(argv: list[str] | None = None) -> dict:
         table.add_row(str(r["cache_slots"]), str(r["batch_size"]), r["host"], f"{r['ttft_ms']:.1f}",
                       f"{r['x_bound']:.2f}", f"{r['copy_busy_ms']:.1f}", f"{r['copy_idle_ms']:.1f}")
     Console().print(table)
+    waits = copy_waits(shape, profile, args.expert_dtype, args.whatif_slots, batch, args.prompt_len)
+    table = Table(title=f"where the copy stream idles: {args.whatif_slots} slots, B={batch}, the profile's costs")
+    table.add_column("waiting for")
+    table.add_column("ms")
+    for where, ms in waits.items():
+        table.add_row(where, f"{ms:.1f}")
+    Console().print(table)
     result = {"profile": str(args.profile), "shape": args.shape, "expert_dtype": args.expert_dtype,
-              "prompt_len": args.prompt_len, "layers": shape.num_layers, "rows": rows}
+              "prompt_len": args.prompt_len, "layers": shape.num_layers, "rows": rows,
+              "copy_waits": {"slots": args.whatif_slots, "batch_size": batch, "ms": waits}}
     write_result(args.out, result)
     return result
 
