@@ -882,3 +882,18 @@ def test_the_flame_replay_shape_is_flame_moes_geometry_at_qwen_widths(tmp_path):
     trace = load_benchmark("flame_moe").import_sequences(tmp_path / "flame")
     assert open_trace(trace).dataset.count_rows() == 32 * 64  # the encoder file's sequences, 64 tokens each
     _replays("qwen3-30b-a3b-flame", trace)
+
+
+def test_the_prefill_boundary_benchmarks_copy_waits_account_for_all_the_copy_streams_idle_time():
+    """benchmarks/simulate_prefill_boundary.py on the shipped H200 profile (Qwen3-30B-A3B's int4 experts, 8 layers,
+    32 slots, B=8): the waits it finds before each copy, with the pass's start and end, add up to the prefill's time
+    less its copies' (its idle time), and the layer boundary's wait for the host is among them."""
+    from duoserve.bench.costs import resolve_profile
+
+    boundary = load_benchmark("simulate_prefill_boundary")
+    shape, profile = ModelShape.of("qwen3-30b-a3b", layers=8), resolve_profile("h200-qwen3-30b-a3b")
+    idle = boundary.prefill(shape, profile, "int4", 32, 8, 512)["copy_idle_ms"]
+    waits = boundary.copy_waits(shape, profile, "int4", 32, 8, 512)
+    assert sum(waits.values()) == pytest.approx(idle)
+    assert waits["the host, before the first fetched group, staged"] > 0
+    assert all(ms >= 0 for ms in waits.values())
