@@ -1,6 +1,6 @@
 """The host's cost of a prefill call's fetch-and-compute groups, by policy and by the call's tokens: what the device
 profile's ``group_host_us`` stands for (measured there with lru's groups on calls of E/k tokens) and what the
-engine spends in a gate-fetching policy's prefill (docs/runtime.md, "The offload simulator": on-demand's replayed
+engine spends in a gate-fetching policy's prefill (docs/simulator.md, "Validation against the engine": on-demand's replayed
 prefills are simulated short).
 
     python3 benchmarks/group_host_probe.py --shape qwen3-30b-a3b-substrate --layers 4 --out RESULT.json

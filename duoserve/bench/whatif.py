@@ -22,7 +22,7 @@ from duoserve.runtime.settings import EngineSettings
 ORACLE_CURVE = (0.0, 0.25, 0.5, 0.75, 0.9, 1.0)  # recalls of the latency-versus-accuracy chart's oracle
 CHART_BATCHES = (1, 2, 4, 8, 16)
 # prefetch minimum scores tried for each trained predictor: a wrong guess costs a whole copy, which on a copy-bound
-# decode step can cost more than the right guesses save (docs/runtime.md, "Tuning the prefetch's minimum score")
+# decode step can cost more than the right guesses save (docs/simulator.md, "Tuning the prefetch's minimum score")
 MIN_SCORES = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
 

@@ -43,7 +43,7 @@ def fold_batchnorm(predictor: ExpertPredictor) -> ExpertPredictor:
 
 # a CPU call of at least this many examples sums its history rows in column blocks of the table of at most this many
 # bytes (``SparseHistoryPredictor._history_sum``): a block stays in a core's L2 cache (1-2 MB on server cores); below
-# that batch the extra bag per block costs more than it saves (docs/runtime.md, the offload simulator's speed)
+# that batch the extra bag per block costs more than it saves (docs/simulator.md, Speed)
 BAG_BLOCK_MIN_ROWS = 256
 BAG_BLOCK_BYTES = 3 << 19  # 1.5 MiB
 
@@ -87,7 +87,7 @@ class SparseHistoryPredictor(nn.Module):
         """B x F sums of ``history_rows``' rows ``rows`` (B x W*k). A large batch on the CPU reads the table in column
         blocks that fit a core's L2 cache, one bag each: the same sums in the same order, each table row fetched from
         memory once a block rather than once an example (the paper's widths at Qwen3-30B-A3B's geometry, a 49 MB
-        table: 2.5x on the sum at 1,024 examples, 1.47x on the whole call; docs/runtime.md). The blocks are a second
+        table: 2.5x on the sum at 1,024 examples, 1.47x on the whole call; docs/simulator.md). The blocks are a second
         copy of the table, made at the first such call and kept."""
         table = self.history_rows
         if table.device.type != "cpu" or len(rows) < BAG_BLOCK_MIN_ROWS or table.nbytes <= BAG_BLOCK_BYTES:
