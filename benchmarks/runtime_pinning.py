@@ -25,7 +25,6 @@ same with the pins: the issue's "duoserve (predictor + score eviction)". The mod
 from __future__ import annotations
 
 import dataclasses
-import math
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +39,7 @@ from duoserve.loading import resolve_device
 from duoserve.predictor.artifact import load_predictor
 from duoserve.runtime.cache import popular_keys
 from duoserve.runtime.policies import get_policy
-from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.settings import EngineSettings, budget_slots
 from duoserve.trace.format import open_trace
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -53,13 +52,6 @@ SMALL = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermed
 # (policy, pinned, predicted): the rows of each budget (the predicted ones where the trace has a predictor)
 ROWS = (("lru", False, False), ("duoserve", False, False), ("duoserve", True, False), ("duoserve", False, True),
         ("duoserve", True, True))
-
-
-def budget_slots(spec: str, L: int, E: int, k: int) -> int:
-    """Slots of a budget written as 'k', '2k' or a share of the L x E experts ('10%')."""
-    if spec.endswith("%"):
-        return max(k, math.floor(L * E * float(spec[:-1]) / 100))
-    return int(spec[:-1] or 1) * k
 
 
 def run_trace(name: str, trace: Path, predictor: str | None, args, device: torch.device, work: Path) -> list[dict]:

@@ -16,21 +16,16 @@ Needs no GPU (about 5 minutes on one core).
 from __future__ import annotations
 
 import dataclasses
-import sys
 from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 from duoserve.bench.results import parser, write_result
-from duoserve.bench.simulate import ModelShape
 from duoserve.bench.whatif import SimulateSettings, Study
 from duoserve.features.stats import compute_stats
 from duoserve.runtime.cache import popular_keys
 from duoserve.trace.format import open_trace
-
-sys.path.insert(0, str(Path(__file__).parent))
-from runtime_pinning import budget_slots  # noqa: E402  (a sibling script)
 
 PROFILE = "benchmarks/results/simulate_h200_v8/h200-qwen3-30b-a3b-substrate.json"
 # (policy, predictor given, prefetch minimum score): the rows of each budget and pinning
@@ -46,14 +41,12 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budgets", default="10%,25%,50%", help="k, 2k or shares of the L x E experts")
     args = ap.parse_args(argv)
     keys = tuple(popular_keys(compute_stats(open_trace(args.traces)).popularity))
-    shape = ModelShape.of(args.shape)
     rows = []
     for budget in args.budgets.split(","):
-        slots = budget_slots(budget, shape.num_layers, shape.num_experts, shape.top_k)
         for pinned in (False, True):
             # one study a budget and pinning: the predictor's scores on the trace are computed once for its rows
             study = Study(SimulateSettings(model_shape=args.shape, profile=args.profile, traces=args.traces,
-                                           gpu_expert_budget=slots * shape.layout.nbytes, pin=keys if pinned else ()))
+                                           gpu_expert_budget=budget, pin=keys if pinned else ()))
             for policy, predicted, min_score in ROWS:
                 study.s = dataclasses.replace(study.s, prefetch_min_score=min_score)  # a grid point, pins kept
                 point = study.point(policy, args.predictor if predicted else "none", 1)

@@ -7,6 +7,7 @@ import functools
 import gc
 import itertools
 import json
+import re
 import statistics
 
 import numpy as np
@@ -31,10 +32,12 @@ from duoserve.runtime import (
     OffloadEngine,
     offload,
     offload_plugin,
+    parse_budget,
     parse_bytes,
     timed_generate,
 )
 from duoserve.runtime.generation import kv_cache
+from duoserve.runtime.settings import budget_slots
 from duoserve.runtime.stepgraph import StepGraphs, decoder_layers, graphable
 from duoserve.runtime.cache import ExpertCache
 from duoserve.runtime.experts import Routing, graphs_supported
@@ -668,6 +671,33 @@ def test_parse_bytes():
     assert parse_bytes("8GiB") == 8 * 2**30 and parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes("512") == 512
     with pytest.raises(ValueError, match="8GiB"):
         parse_bytes("lots")
+
+
+def test_a_budget_reads_as_bytes_or_as_a_number_of_the_models_experts():
+    assert parse_budget("8GiB") == 8 * 2**30 and parse_budget("512") == 512  # a size stays bytes
+    assert parse_budget(" 10% ") == "10%" and parse_budget("2k") == "2k"  # experts: resolved against the model
+    assert [budget_slots(spec, 48, 128, 8) for spec in ("10%", "25%", "0.5%", "k", "2k", "100%")] == \
+        [614, 1536, 30, 8, 16, 6144]
+    for bad, says in (("lots", "a share of the model's experts"), ("0%", "(0, 100]"), ("150%", "(0, 100]"),
+                      ("0k", "at least one top-k")):
+        with pytest.raises(ValueError, match=re.escape(says)):
+            parse_budget(bad)
+    with pytest.raises(ValueError, match=re.escape("(0, 100]")):
+        EngineSettings(gpu_expert_budget="101%")
+
+
+def test_generate_takes_a_budget_as_a_share_of_the_experts_or_a_multiple_of_top_k(tmp_path, embedded):
+    model = embedded[0]
+    g = moe_geometry(model, find_moe_layers(model))
+    L, E, k = g.num_layers, g.num_experts, g.top_k
+    for budget, slots in (("25%", L * E // 4), ("3k", 3 * k)):
+        out = tmp_path / f"gen-{budget}.json"
+        result = runner.invoke(run_app, ["generate", "--new-tokens", "3", "--policy", "lru", "--gpu-expert-budget",
+                                         budget, "--out", str(out)])
+        assert result.exit_code == 0, result.output
+        assert json.loads(out.read_text())["cache_slots"] == slots
+    bad = runner.invoke(run_app, ["generate", "--new-tokens", "3", "--gpu-expert-budget", "1%"])  # 1 slot of 128
+    assert bad.exit_code == 2 and f"1% of {L} x {E} experts holds 1 experts" in bad.output, bad.output
 
 
 def test_generate_cli(tmp_path):

@@ -39,7 +39,7 @@ class SimulateSettings:
     policies: list[str] = field(default_factory=lambda: ["duoserve", "on-demand", "lru"])
     predictors: list[str] = field(default_factory=lambda: ["none", "oracle"])  # the predicting policies'
     batch_sizes: list[int] = field(default_factory=lambda: [1])
-    gpu_expert_budget: int | None = None
+    gpu_expert_budget: int | str | None = None  # bytes, or experts (settings.parse_budget)
     pin: tuple[tuple[int, int], ...] = ()  # (layer, expert) keys kept resident (the grid's points; not the sweeps')
     lookahead: int = 1
     prefetch_min_score: float = EngineSettings.prefetch_min_score  # copy ahead only guesses scored at least this

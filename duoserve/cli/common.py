@@ -23,7 +23,7 @@ from rich.table import Table
 import duoserve
 from duoserve.embedded import EMBEDDED_NAME
 from duoserve.runtime.policies import POLICIES
-from duoserve.runtime.settings import EngineSettings, parse_bytes
+from duoserve.runtime.settings import EngineSettings, parse_budget
 
 console = Console()
 err_console = Console(stderr=True)
@@ -136,9 +136,9 @@ DtypeOption = Annotated[str, typer.Option(help="auto, float32, bfloat16, float16
 PhaseOption = Annotated[str, typer.Option(help="prefill, decode, or all.")]
 PolicyHelp = f"{', '.join(POLICIES)} (duoserve-run policies says what each does)."
 BudgetOption = Annotated[Optional[str], typer.Option(
-    help="Device memory for cached experts of the caching policies (duoserve, lru), e.g. 8GiB; at least top-k "
-         "experts. [default: (1 + lookahead) x top-k experts; over fp8/int4 experts up to twice that, enough to "
-         "store 128 MiB of them]")]
+    help="Device memory for cached experts of the caching policies (duoserve, lru): a size (8GiB), a share of the "
+         "model's routed experts (10%) or a multiple of its top-k (2k); at least top-k experts. [default: "
+         "(1 + lookahead) x top-k experts; over fp8/int4 experts up to twice that, enough to store 128 MiB of them]")]
 LookaheadOption = Annotated[int, typer.Option(
     help="Decode prefetch depth in layers (duoserve): layer l's predictions are for layer l+d. A trained predictor "
          "needs heads that deep (duoserve-train fit --lookahead D, D >= d); oracles take any.")]
@@ -180,6 +180,6 @@ def engine_settings(budget: Optional[str], lookahead: int, eager: bool, min_scor
                     pin: Optional[str] = None, step_graphs: bool = ENGINE.step_graphs,
                     defer_prefetch: bool = ENGINE.defer_prefetch) -> EngineSettings:
     """The engine options of a command as one settings object."""
-    return EngineSettings(gpu_expert_budget=parse_bytes(budget) if budget else None, lookahead=lookahead,
+    return EngineSettings(gpu_expert_budget=parse_budget(budget) if budget else None, lookahead=lookahead,
                           eager=eager, step_graphs=step_graphs, prefetch_min_score=min_score, pin=pin_keys(pin),
                           defer_prefetch=defer_prefetch)

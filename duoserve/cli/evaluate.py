@@ -193,14 +193,14 @@ def simulate(
     memory."""
     from duoserve.bench.results import write_result
     from duoserve.bench.whatif import SimulateSettings, simulate as run_simulation
-    from duoserve.runtime.settings import parse_bytes
+    from duoserve.runtime.settings import parse_budget
 
     with user_errors():
         check_output(out, folder=True)
         s = SimulateSettings(model_shape=model_shape, profile=profile, traces=traces, layers=layers, dtype=dtype,
                              policies=policy or ["duoserve", "on-demand", "lru"],
                              predictors=predictor or ["none", "oracle"], batch_sizes=batch_size or [1],
-                             gpu_expert_budget=parse_bytes(gpu_expert_budget) if gpu_expert_budget else None,
+                             gpu_expert_budget=parse_budget(gpu_expert_budget) if gpu_expert_budget else None,
                              pin=pin_keys(pin), lookahead=lookahead, prefetch_min_score=prefetch_min_score,
                              defer_prefetch=defer_prefetch, expert_dtype=expert_dtype, requests=requests,
                              prompt_len=prompt_len, new_tokens=new_tokens, host_op_us=host_op_us)

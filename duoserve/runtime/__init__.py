@@ -10,6 +10,7 @@ from duoserve._lazy import lazy_exports
 _EXPORTS = {"EngineSettings": "settings", "ExpertsPlugin": "plugin", "Generation": "generation",
             "OffloadEngine": "engine", "POLICIES": "policies", "Policy": "policies", "cache_for": "generation",
             "generate": "generation", "get_policy": "policies", "kv_cache": "generation", "offload": "generation",
-            "offload_plugin": "generation", "parse_bytes": "settings", "timed_generate": "generation"}
+            "offload_plugin": "generation", "parse_budget": "settings", "parse_bytes": "settings",
+            "timed_generate": "generation"}
 __all__ = sorted(_EXPORTS)
 __getattr__ = lazy_exports(__name__, _EXPORTS)

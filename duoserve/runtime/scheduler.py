@@ -44,7 +44,7 @@ from duoserve.runtime.experts import Routing
 from duoserve.runtime.policies import Policy
 from duoserve.runtime.prefetch import DecodePrefetch
 from duoserve.runtime.schedule import FETCH_SECTION, GroupedFetch
-from duoserve.runtime.settings import EngineSettings
+from duoserve.runtime.settings import EngineSettings, budget_slots
 from duoserve.runtime.sources import HostPredictor, LayerPredictor
 from duoserve.runtime.store import HostExperts
 from duoserve.runtime.streams import EngineTimers, Streams
@@ -136,10 +136,13 @@ class ExpertScheduler:
         policy, budget, nbytes = self.policy, self.settings.gpu_expert_budget, self.stores[0].layout.nbytes
         slots = default_capacity(policy, self.E, self.k, self.settings.lookahead, self.stores[0])
         if budget is not None and policy.reuse and not policy.prefetch_layer:
-            slots = budget // nbytes
+            if isinstance(budget, str):  # a number of experts of this model ('10%', '2k')
+                slots, held = budget_slots(budget, self.L, self.E, self.k), f"{budget} of {self.L} x {self.E} experts"
+            else:
+                slots, held = budget // nbytes, f"{budget / 1e9:.2f} GB, {nbytes / 1e6:.1f} MB an expert"
             if slots < self.k:
-                raise ValueError(f"a GPU expert budget of {budget / 1e9:.2f} GB holds {slots} experts of "
-                                 f"{nbytes / 1e6:.1f} MB; the cache needs at least top-k = {self.k}")
+                raise ValueError(f"a GPU expert budget of {held} holds {slots} experts; the cache needs at least "
+                                 f"top-k = {self.k}")
         return min(slots, self.L * self.E)
 
     def _pin(self, keys: tuple[tuple[int, int], ...]) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -16,12 +17,46 @@ def parse_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
 
 
+_SHARE = re.compile(r"([0-9]*\.?[0-9]+)%")  # a share of the model's L x E routed experts
+_TOPK = re.compile(r"([0-9]*)k")  # a multiple of top-k
+
+
+def parse_budget(text: str) -> int | str:
+    """A GPU expert budget: bytes ('8GiB', as ``parse_bytes``), or a number of experts, kept as written to be
+    resolved against the model (``budget_slots``): a share of its L x E routed experts ('10%') or a multiple of
+    its top-k ('2k', 'k')."""
+    spec = text.strip()
+    if _SHARE.fullmatch(spec) or _TOPK.fullmatch(spec):
+        budget_slots(spec, 1, 1, 1)  # refuses 0% and over 100%, 0k
+        return spec
+    try:
+        return parse_bytes(spec)
+    except ValueError:
+        raise ValueError(f"cannot read {text!r} as a GPU expert budget; write a size (8GiB, 512MiB, 2GB), a share "
+                         "of the model's experts (10%) or a multiple of its top-k (2k)") from None
+
+
+def budget_slots(spec: str, L: int, E: int, k: int) -> int:
+    """Cache slots of a budget written as a share of the L x E experts ('10%', rounded down) or a multiple of top-k
+    ('2k'; 'k' is one)."""
+    if share := _SHARE.fullmatch(spec):
+        if not 0 < float(share.group(1)) <= 100:
+            raise ValueError(f"a GPU expert budget of {spec} of the experts: give a share in (0, 100]%")
+        return math.floor(L * E * float(share.group(1)) / 100)
+    if times := _TOPK.fullmatch(spec):
+        if int(times.group(1) or 1) < 1:
+            raise ValueError(f"a GPU expert budget of {spec}: give at least one top-k (k, 2k, ...)")
+        return int(times.group(1) or 1) * k
+    raise ValueError(f"cannot read {spec!r} as a number of experts; write a share (10%) or a multiple of top-k (2k)")
+
+
 @dataclass(frozen=True)
 class EngineSettings:
     """How ``OffloadEngine`` schedules expert copies.
 
-    ``gpu_expert_budget``: bytes of device memory for cached experts (at least top-k of them); replaces the default
-    of (1 + lookahead) x k slots of the caching policies (duoserve, lru; up to twice that over quantized experts, as
+    ``gpu_expert_budget``: device memory for cached experts (at least top-k of them), in bytes, or as a number of
+    experts written as ``parse_budget`` reads it ('10%' of the model's L x E, '2k'); replaces the default of
+    (1 + lookahead) x k slots of the caching policies (duoserve, lru; up to twice that over quantized experts, as
     many as store 128 MiB of them: ``scheduler.default_capacity``); the others hold what their schedule needs.
     ``lookahead``: decode prefetch depth d: layer l's predictions are for layer l+d (the first layer of a step
     predicts 1..d), so a copy has d layers of compute to hide behind. A trained predictor needs heads that deep
@@ -42,7 +77,7 @@ class EngineSettings:
     H100 at Qwen3-30B-A3B's 48 layers, B=1: 4-10% off a quantized decode step (docs/runtime.md).
     """
 
-    gpu_expert_budget: int | None = None
+    gpu_expert_budget: int | str | None = None  # bytes, or a number of experts ('10%', '2k')
     lookahead: int = 1
     eager: bool = False
     step_graphs: bool = True
@@ -51,7 +86,9 @@ class EngineSettings:
     defer_prefetch: bool = True
 
     def __post_init__(self):
-        if self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
+        if isinstance(self.gpu_expert_budget, str):
+            budget_slots(self.gpu_expert_budget, 1, 1, 1)  # refuses what parse_budget would
+        elif self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
             raise ValueError(f"the GPU expert budget must be positive, got {self.gpu_expert_budget} bytes")
         if self.lookahead < 1:
             raise ValueError(f"look-ahead must be at least 1 layer, got {self.lookahead}")
