@@ -695,7 +695,7 @@ def test_generate_takes_a_budget_as_a_share_of_the_experts_or_a_multiple_of_top_
         result = runner.invoke(run_app, ["generate", "--new-tokens", "3", "--policy", "lru", "--gpu-expert-budget",
                                          budget, "--out", str(out)])
         assert result.exit_code == 0, result.output
-        assert json.loads(out.read_text())["cache_slots"] == slots
+        assert json.loads(out.read_text())["cache_slots"] == slots and f"{slots} / " in result.output  # said, resolved
     bad = runner.invoke(run_app, ["generate", "--new-tokens", "3", "--gpu-expert-budget", "1%"])  # 1 slot of 128
     assert bad.exit_code == 2 and f"1% of {L} x {E} experts holds 1 experts" in bad.output, bad.output
 

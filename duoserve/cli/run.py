@@ -95,6 +95,9 @@ def generate(
     if counters:
         figures.add_row("host-to-device GB (prefill / decode)",
                         f"{gb(counters['bytes_h2d']['prefill'])} / {gb(counters['bytes_h2d']['decode'])}")
+        if "cache_slots" in counters:  # the engine's policies (Accelerate's keep no cache)
+            cache = f"{counters['cache_slots']} / {gb(counters['cache_bytes'])}"
+            figures.add_row("GPU expert cache (slots / GB)", cache)
         figures.add_row("decode cache hit rate", num(counters["hit_rate"]["decode"]))
         figures.add_row("experts pinned", str(counters["pinned_experts"]))
         figures.add_row("stall waiting for copies (ms)", num(counters["stall_ms"], ".1f"))
