@@ -23,6 +23,10 @@ them), not launched at once after the host's work before the experts call.
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100). The shipped
 H200 profiles come from a later instance than the benches in ``benchmarks/results/`` (their own benches are in
 ``simulate_h200_v8/``); the version 4 profiles made beside those are in ``simulate_h200_v4_profiles/``.
+Skipped, each with its reason (on screen and under ``skipped``): a bench whose trace or profile is not here, and a
+run whose trained predictor is not here (simulate_h200.sh's header gives the commands that trained them: on the same
+traces with the same seed, they train the same weights) or reads the next-gate (on a replayed trace the engine fed
+it other tokens' guesses).
 """
 
 from __future__ import annotations
@@ -144,6 +148,11 @@ def main(argv: list[str] | None = None) -> dict:
             rounds.setdefault(point, []).append(r)
         for runs in rounds.values():
             r = runs[0]
+            if r["predictor"] and is_artifact(r["predictor"]) and not (Path(r["predictor"]) / "config.json").exists():
+                why = f"no predictor at {r['predictor']} (simulate_h200.sh's header says how it was trained)"
+                print(f"skipping {name} {r['policy']} B={r['batch_size']}: {why}", file=sys.stderr)
+                skipped.append({"bench": name, "policy": r["policy"], "batch_size": r["batch_size"], "why": why})
+                continue
             if trace and reads_next_gate(r["predictor"]):
                 why = f"{r['predictor']} reads the next-gate, which a replayed trace's engine takes from other tokens"
                 print(f"skipping {name} {r['policy']} B={r['batch_size']}: {why}", file=sys.stderr)

@@ -843,6 +843,16 @@ def test_the_validation_replays_each_bench_run_on_the_profile_of_its_folder(tmp_
         assert all(row["host_ms"]["simulated"][name] > 0 for name in ("wait for routing", "queue fetches"))
     assert out["held"] == sum(r["within"] for r in out["rows"])
     assert out["held_unpaced"] == sum(r["unpaced"]["within"] for r in out["rows"])
+    # a predictor that is not here (trained elsewhere, as simulate_h200.sh's are): its runs skipped, saying which
+    saved = json.loads((results / "simulate_bench_embedded_h100.json").read_text())
+    for r in saved["runs"]:
+        r["predictor"] = str(tmp_path / "gone") if r["predictor"] == str(embedded_predictor) else r["predictor"]
+    (results / "simulate_bench_embedded_h100.json").write_text(json.dumps(saved))
+    again = load_benchmark("simulate_validation").main(["--machine", "h100", "--results", str(results), "--profiles",
+                                                        str(profiles), "--out", str(tmp_path / "validation.json")])
+    assert [r["why"] for r in again["skipped"]] == [f"no predictor at {tmp_path / 'gone'} (simulate_h200.sh's header "
+                                                    "says how it was trained)"] * 2
+    assert len(again["rows"]) == len(out["rows"])
 
 
 def test_a_bench_run_is_replayed_with_the_cache_it_had():
