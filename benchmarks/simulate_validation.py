@@ -24,9 +24,8 @@ them), not launched at once after the host's work before the experts call.
 H200 profiles come from a later instance than the benches in ``benchmarks/results/`` (their own benches are in
 ``simulate_h200_v8/``); the version 4 profiles made beside those are in ``simulate_h200_v4_profiles/``.
 Skipped, each with its reason (on screen and under ``skipped``): a bench whose trace or profile is not here, and a
-run whose trained predictor is not here (simulate_h200.sh's header gives the commands that trained them: on the same
-traces with the same seed, they train the same weights) or reads the next-gate (on a replayed trace the engine fed
-it other tokens' guesses).
+run whose trained predictor is not here (simulate_h200.sh's header gives the commands that trained them) or reads
+the next-gate (on a replayed trace the engine fed it other tokens' guesses).
 """
 
 from __future__ import annotations
