@@ -37,7 +37,7 @@ from duoserve.bench.harness import BenchSettings, build_model, run_policy
 from duoserve.discovery import find_moe_layers
 from duoserve.loading import resolve_device
 from duoserve.runtime.policies import get_policy
-from duoserve.runtime.settings import EngineSettings, parse_bytes
+from duoserve.runtime.settings import EngineSettings, parse_budget
 from duoserve.runtime.quant import EXPERT_DTYPES, make_store
 from duoserve.runtime.store import take_experts
 
@@ -274,7 +274,7 @@ def main() -> None:
     ap.add_argument("--predictor", default="none")
     ap.add_argument("--batch-size", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=8)
-    ap.add_argument("--gpu-expert-budget", type=parse_bytes)
+    ap.add_argument("--gpu-expert-budget", type=parse_budget, help="a size (8GiB), a share of the experts (10%%) or 2k")
     ap.add_argument("--expert-dtype", default="model", choices=EXPERT_DTYPES, help="how the experts are stored")
     ap.add_argument("--rows", type=int, default=25)
     ap.add_argument("--trace", help="also write the Chrome trace (CPU and CUDA activity) to this file (.gz: gzipped)")
