@@ -29,6 +29,9 @@ CASES = [
     ("train", "stats {trace} --out {tmp}/s.safetensors --device tpu", "unknown device 'tpu'"),
     ("train", "fit {trace} --out {tmp}/p --devices 0", "devices=0"),
     ("run", "generate --new-tokens 0", "--new-tokens"),
+    ("run", "generate --gpu-expert-budget 150%", "give a share in (0, 100]%"),
+    ("eval", "simulate --profile h200-embedded --model-shape embedded --gpu-expert-budget 0k --no-charts "
+             "--out {tmp}/s", "give at least one top-k"),
     ("run", "generate --new-tokens -1", "--new-tokens"),
     ("trace", "collect --dataset squad --data-files {empty} --count 1 --out {tmp}/t", "empty.jsonl is empty"),
     ("trace", "collect --dataset squad --data-files {bad_json} --count 1 --out {tmp}/t", "bad.jsonl"),
