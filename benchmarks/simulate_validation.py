@@ -78,10 +78,19 @@ def simulate_run(bench: dict, r: dict, shape: ModelShape, costs: Costs, trace: s
     return run(sim, bench_passes(routing, r["batch_size"], r["prompt_len"], r["new_tokens"]))
 
 
-def reads_next_gate(predictor: str | None) -> bool:
-    """Whether a bench run's predictor is an artifact fed the next-gate: on a replayed trace the engine computes it
-    from its own prompts' hidden states, not the trace's tokens, so no simulation can replay those guesses."""
-    return bool(predictor) and is_artifact(predictor) and predictor_spec(predictor).uses_nextgate
+def unreplayable(predictor: str | None, trace: str | None) -> str | None:
+    """Why a bench run's trained predictor cannot be replayed here, or None: it is not here, or it reads the
+    next-gate on a replayed trace, where the engine computed it from its own prompts' hidden states, not the
+    trace's tokens, so no simulation can replay those guesses."""
+    if not predictor or not is_artifact(predictor):
+        return None
+    try:
+        spec = predictor_spec(predictor)
+    except FileNotFoundError:
+        return f"no predictor at {predictor} (simulate_h200.sh's header says how it was trained)"
+    if trace and spec.uses_nextgate:
+        return f"{predictor} reads the next-gate, which a replayed trace's engine takes from other tokens"
+    return None
 
 
 def compare(simulated: dict, measured: dict) -> tuple[dict, dict, bool]:
@@ -147,13 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
             rounds.setdefault(point, []).append(r)
         for runs in rounds.values():
             r = runs[0]
-            if r["predictor"] and is_artifact(r["predictor"]) and not (Path(r["predictor"]) / "config.json").exists():
-                why = f"no predictor at {r['predictor']} (simulate_h200.sh's header says how it was trained)"
-                print(f"skipping {name} {r['policy']} B={r['batch_size']}: {why}", file=sys.stderr)
-                skipped.append({"bench": name, "policy": r["policy"], "batch_size": r["batch_size"], "why": why})
-                continue
-            if trace and reads_next_gate(r["predictor"]):
-                why = f"{r['predictor']} reads the next-gate, which a replayed trace's engine takes from other tokens"
+            if why := unreplayable(r["predictor"], trace):
                 print(f"skipping {name} {r['policy']} B={r['batch_size']}: {why}", file=sys.stderr)
                 skipped.append({"bench": name, "policy": r["policy"], "batch_size": r["batch_size"], "why": why})
                 continue

@@ -21,13 +21,27 @@ _SHARE = re.compile(r"([0-9]*\.?[0-9]+)%")  # a share of the model's L x E route
 _TOPK = re.compile(r"([0-9]*)k")  # a multiple of top-k
 
 
+def _experts_budget(spec: str) -> tuple[float, int]:
+    """A budget written as a number of experts, as (percent of the L x E experts, multiple of top-k), one of them 0;
+    refuses a share outside (0, 100]% and a multiple below one."""
+    if share := _SHARE.fullmatch(spec):
+        if not 0 < float(share.group(1)) <= 100:
+            raise ValueError(f"a GPU expert budget of {spec} of the experts: give a share in (0, 100]%")
+        return float(share.group(1)), 0
+    if times := _TOPK.fullmatch(spec):
+        if int(times.group(1) or 1) < 1:
+            raise ValueError(f"a GPU expert budget of {spec}: give at least one top-k (k, 2k, ...)")
+        return 0.0, int(times.group(1) or 1)
+    raise ValueError(f"cannot read {spec!r} as a number of experts; write a share (10%) or a multiple of top-k (2k)")
+
+
 def parse_budget(text: str) -> int | str:
     """A GPU expert budget: bytes ('8GiB', as ``parse_bytes``), or a number of experts, kept as written to be
     resolved against the model (``budget_slots``): a share of its L x E routed experts ('10%') or a multiple of
     its top-k ('2k', 'k')."""
     spec = text.strip()
     if _SHARE.fullmatch(spec) or _TOPK.fullmatch(spec):
-        budget_slots(spec, 1, 1, 1)  # refuses 0% and over 100%, 0k
+        _experts_budget(spec)
         return spec
     try:
         return parse_bytes(spec)
@@ -39,15 +53,8 @@ def parse_budget(text: str) -> int | str:
 def budget_slots(spec: str, L: int, E: int, k: int) -> int:
     """Cache slots of a budget written as a share of the L x E experts ('10%', rounded down) or a multiple of top-k
     ('2k'; 'k' is one)."""
-    if share := _SHARE.fullmatch(spec):
-        if not 0 < float(share.group(1)) <= 100:
-            raise ValueError(f"a GPU expert budget of {spec} of the experts: give a share in (0, 100]%")
-        return math.floor(L * E * float(share.group(1)) / 100)
-    if times := _TOPK.fullmatch(spec):
-        if int(times.group(1) or 1) < 1:
-            raise ValueError(f"a GPU expert budget of {spec}: give at least one top-k (k, 2k, ...)")
-        return int(times.group(1) or 1) * k
-    raise ValueError(f"cannot read {spec!r} as a number of experts; write a share (10%) or a multiple of top-k (2k)")
+    percent, times = _experts_budget(spec)
+    return math.floor(L * E * percent / 100) if percent else times * k
 
 
 @dataclass(frozen=True)
@@ -87,7 +94,7 @@ class EngineSettings:
 
     def __post_init__(self):
         if isinstance(self.gpu_expert_budget, str):
-            budget_slots(self.gpu_expert_budget, 1, 1, 1)  # refuses what parse_budget would
+            _experts_budget(self.gpu_expert_budget)
         elif self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
             raise ValueError(f"the GPU expert budget must be positive, got {self.gpu_expert_budget} bytes")
         if self.lookahead < 1:
