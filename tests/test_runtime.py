@@ -1177,6 +1177,34 @@ def test_decode_steps_replayed_from_step_graphs_generate_what_eager_steps_do(arc
     assert not any("forward" in layer.__dict__ for layer in model.model.layers)  # the layers' own forward again
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="step graphs are CUDA graphs")
+def test_no_garbage_collection_runs_while_a_decode_step_is_captured(embedded):
+    """A collection during a capture that destroys another CUDA graph (an engine dropped in a reference cycle holds its
+    step graphs) fails the capture (pytorch/pytorch#161037: a profile building many engines met it): collections as
+    frequent as Python allows must all fall outside the captures, and the tokens stay the eager steps'."""
+    model, tokenizer = copy.deepcopy(embedded[0]), embedded[1]
+    eager = _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=False), oracle=False)[0]
+    during_capture = []
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            during_capture.append(torch.cuda.is_current_stream_capturing())
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(1, 1, 1)  # a collection at nearly every allocation, a full one every few
+    gc.callbacks.append(watch)
+    try:
+        graphed, stats = _static_generations(model, tokenizer, "cuda", EngineSettings(step_graphs=True), oracle=False)
+    finally:
+        gc.callbacks.remove(watch)
+        gc.set_threshold(*thresholds)
+    assert stats["graphed_layer_calls"] > 0 and len(during_capture) > 100  # graphs replayed; collections ran
+    assert not any(during_capture)
+    for e, g in zip(eager, graphed):
+        assert torch.equal(e, g)
+
+
 def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(tmp_path, arch_models):
     from duoserve.bench.costs import Costs
     from duoserve.bench.profile import PROFILE_FIELDS, load_profile, prefill_alone, profile_round

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -169,6 +170,11 @@ class StepGraphs:
         inputs = [self._input(x) for x in leaves]
         args, kwargs = tree_unflatten([x if s is None else s for x, s in zip(leaves, inputs)], spec)
         graphed = self._capture = _Graphed(signature, inputs)
+        # no garbage collection while capturing: a collection that destroys another CUDA graph (an engine dropped in a
+        # reference cycle holds its step graphs) invalidates the capture ("operation not permitted when stream is
+        # capturing"), as pytorch/pytorch#161037 found for torch.cuda.graph
+        collecting = gc.isenabled()
+        gc.disable()
         self._begin_piece()
         try:
             out = forward(*args, **kwargs)
@@ -183,6 +189,8 @@ class StepGraphs:
                                "with --no-step-graphs (EngineSettings(step_graphs=False))") from exc
         finally:
             self._capture = None
+            if collecting:
+                gc.enable()
         graphed.output = out
         for x in tree_flatten(out)[0]:
             if isinstance(x, torch.Tensor):
