@@ -18,9 +18,7 @@ fetches and compute). Where the profile recorded its pace, each point is simulat
 (``unpaced``). ``--round i``: each profile's engine host costs of its round i alone (``engine_rounds``, version 5
 profiles), not the rounds' medians: what a single-round profile would have given. ``--no-layer-split``: a
 version 9 profile's decode layers simulated as older profiles' were (their kernels running as the host launches
-them), not launched at once after the host's work before the experts call. ``--prefill-alone``: a version 10
-profile's prefill calls and groups as each call timed alone reads them, as older profiles timed them, not inside
-real generations.
+them), not launched at once after the host's work before the experts call.
 ``--machine`` picks the files: the benches ``simulate_bench_*_{machine}.json`` and the shipped profiles
 ``{machine}-*`` (simulate_h200.sh names them h200; a run that landed on an H100 is renamed to h100). The shipped
 H200 profiles come from a later instance than the benches in ``benchmarks/results/`` (their own benches are in
@@ -42,7 +40,7 @@ from rich.console import Console
 from rich.table import Table
 
 from duoserve.bench.drivers import RandomRouting, ReplayRouting, is_artifact
-from duoserve.bench.profile import prefill_alone, profile_round
+from duoserve.bench.profile import profile_round
 from duoserve.bench.results import parser, write_result
 from duoserve.bench.costs import Costs, resolve_profile
 from duoserve.bench.simulate import ModelShape, Simulator, bench_passes, run
@@ -118,9 +116,6 @@ def main(argv: list[str] | None = None) -> dict:
                    help="launch a step-graphed decode layer's kernels once its host work before its experts call is "
                         "done, where the profile timed that part (version 9; default); --no-layer-split: over its "
                         "whole host time, as before")
-    p.add_argument("--prefill-alone", action="store_true",
-                   help="a version 10 profile's prefill calls and groups as each call timed alone reads them "
-                        "(prefill_alone_us, how profiles before it timed them), not inside real generations")
     args = p.parse_args(argv)
     rows, skipped = [], []
     for bench_name, (spec, trace) in BENCHES.items():
@@ -142,8 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
             continue
         if args.round is not None:
             profile = profile_round(profile, args.round)
-        if args.prefill_alone:
-            profile = prefill_alone(profile)
         if not args.layer_split:  # as a profile before version 9: every layer launched over its whole host time
             profile = {**profile, "layer_ms": [{key: v for key, v in row.items() if not key.endswith("_before_ms")}
                                                for row in profile["layer_ms"]]}

@@ -1207,7 +1207,7 @@ def test_no_garbage_collection_runs_while_a_decode_step_is_captured(embedded):
 
 def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(tmp_path, arch_models):
     from duoserve.bench.costs import Costs
-    from duoserve.bench.profile import PROFILE_FIELDS, load_profile, prefill_alone, profile_round
+    from duoserve.bench.profile import PROFILE_FIELDS, load_profile, profile_round
 
     out = tmp_path / "cpu.json"
     result = runner.invoke(run_app, ["profile", "--model", str(arch_models["mixtral"]), "--batch-size", "1",
@@ -1229,21 +1229,6 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     assert by_tokens[0]["us"] == profile["group_host_us"]
     for i, row in enumerate(by_tokens):
         assert row["us"] == pytest.approx(statistics.median(r["group_by_tokens"][i]["us"] for r in rounds))
-    # prefill calls and groups timed inside real generations; each call timed alone kept beside them, and read back
-    # in their place where asked (simulate_validation.py --prefill-alone)
-    alone_costs = profile["prefill_alone_us"]
-    assert [r["tokens"] for r in alone_costs["call"]] == [1, 16]
-    assert [r["tokens"] for r in profile["call_host_us"] if r["phase"] == "prefill"] == [1, 16]
-    assert [r["tokens"] for r in alone_costs["group_by_tokens"]] == [r["tokens"] for r in by_tokens]
-    swapped = prefill_alone(profile)
-    assert [r for r in swapped["call_host_us"] if r["phase"] == "prefill"] == alone_costs["call"]
-    assert [r for r in swapped["call_host_us"] if r["phase"] == "decode"] == [
-        r for r in profile["call_host_us"] if r["phase"] == "decode"]
-    assert swapped["group_host_us"] == alone_costs["group_by_tokens"][0]["us"]
-    assert Costs(swapped).call_host_ms("prefill", 16) == pytest.approx(
-        alone_costs["call"][1]["us"] / 1e3 * Costs(swapped).host_scale)
-    with pytest.raises(ValueError, match="did not time its prefill calls alone"):
-        prefill_alone({key: v for key, v in profile.items() if key != "prefill_alone_us"})
     assert profile["fetch_host_us"][0]["us"] == pytest.approx(statistics.median(r["fetch"][0]["us"] for r in rounds))
     # a quantized fetch's passes: the CPU dequantizes eagerly, all of it host time beyond the plain copies
     assert set(profile["dequant_host_us"]) == {"fp8", "int4"}
@@ -1315,34 +1300,8 @@ def test_device_profile_measures_every_field_and_a_file_missing_one_is_refused(t
     (tmp_path / "zero.json").write_text(json.dumps({**profile, "group_host_us": 0.0}))  # clamped noise: still a cost
     assert load_profile(tmp_path / "zero.json")["group_host_us"] == 0.0
     (tmp_path / "old.json").write_text(json.dumps({**profile, "profile_version": 0}))
-    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6, 7, 8, 9 or 10"):
+    with pytest.raises(ValueError, match="not a device profile of version 2, 3, 4, 5, 6, 7, 8 or 9"):
         load_profile(tmp_path / "old.json")
-
-
-def test_a_profile_counts_each_prefill_calls_groups_inside_real_generations(arch_models):
-    """What a version 10 profile's group cost rests on: the same prompt through caches of 4k and k slots, each layer's
-    call routed alike in both (a seeded prompt), queues more compute groups through the smaller cache, as many as its
-    group size makes of the experts it fetched (plus one for those it held)."""
-    from duoserve.bench.profile import ProfileSettings, _timed_calls, model_from_config, packed_experts
-
-    cpu = torch.device("cpu")
-    s = ProfileSettings(model=str(arch_models["mixtral"]), contexts=[16], device="cpu")
-    model = model_from_config(s.model, cpu, s.dtype, s.layers)
-    stores, (L, E, k) = packed_experts(model, cpu)
-
-    def calls(slots: int) -> list:
-        engine = OffloadEngine(model, stores, POLICIES["lru"],
-                               settings=EngineSettings(gpu_expert_budget=slots * stores[0].layout.nbytes))
-        with torch.no_grad():
-            return _timed_calls(engine, model, s, 1, cpu, new_tokens=1, generations=2)
-
-    few, many = calls(4 * k), calls(k)
-    assert len(few) == len(many) == 2 * L  # a prefill pass a generation, a call a layer
-    assert all(c.phase == "prefill" and c.tokens == 16 for c in few + many)
-    for a, b in zip(few, many):
-        assert b.groups - -(-b.fetched // (k // 2)) in (0, 1)  # groups of k/2 fetched, one more where it held some
-        assert a.groups - -(-a.fetched // (2 * k)) in (0, 1)
-    assert sum(b.groups for b in many) > sum(a.groups for a in few)
 
 
 def test_the_profile_timeline_times_a_streams_kernels_alone_and_beside_another_streams():

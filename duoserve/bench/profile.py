@@ -15,14 +15,11 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 experts with T tokens each, replayed from a CUDA graph where one can be captured (so no host time
                 is in it); on the CPU, its wall time
   call_host_us  host microseconds of one engine layer call whose experts are all cached (the routing read and
-                grouped, the cache looked up, one compute group queued), by phase and tokens; every call timed
-                inside real generations run as the bench runs them (on a static KV cache, the decoder
+                grouped, the cache looked up, one compute group queued), by phase and tokens; a decode call's
+                timed inside real generations run as the bench runs them (on a static KV cache, the decoder
                 layers replayed from step graphs where ``step_graphs`` is on; before version 5, eager ones), the
                 host's caches as such a forward pass leaves them (which costs a call more than one timed alone),
-                the device waited for before each call: a decode call's from version 5, a prefill call's from
-                version 10 (prompts of B x C tokens with C within the model's positions, so a row's tokens are
-                the nearest such length; before, each call alone, which ``prefill_alone_us`` keeps beside it,
-                not required: ``prefill_alone``); ``routing_us``: the part
+                the device waited for before each call; ``routing_us``: the part
                 of it before a call queues any fetch (the engine's ``ROUTING_SECTION``): a call with misses
                 queues their copies there and spends the rest while they run (profiles before version 4 lack it;
                 the simulator then charges the whole call before the copies)
@@ -41,10 +38,7 @@ weights, and any shape fits any GPU). Fields (``PROFILE_FIELDS``; ``load_profile
                 less a hit call and E fetches, which left a per-expert part in it); a call of E/k tokens, each
                 expert routed once. ``group_host_by_tokens`` (version 6; not required): the same by the call's
                 tokens, E/k and ``GROUP_TOKENS`` (each expert routed by T*k/E tokens), as a group's host cost grows
-                with its pairs; the simulator takes it at the call's tokens. From version 10 both are timed
-                inside real generations' prefills: one prompt through the two caches, each layer's call against
-                the same layer's, the difference over the difference in groups counted, the median (the call
-                alone, as before, in ``prefill_alone_us``)
+                with its pairs; the simulator takes it at the call's tokens
   predictor_ms  one decode-time call of a predictor of the paper's widths for this geometry (scores and top-k),
                 by batch size: its host time, and its wall time with the device waited for; and, not required
                 (files without it are read, the call's own host time then standing for it), ``launch_host_ms``:
@@ -109,8 +103,6 @@ from duoserve.runtime.settings import EngineSettings
 from duoserve.runtime.store import HostExperts, expert_params, take_experts
 from duoserve.runtime.streams import Streams
 
-# 10: prefill calls (call_host_us' prefill rows) and groups (group_host_by_tokens) timed inside real generations'
-#     prefills; each call timed alone, as before, kept in prefill_alone_us;
 # 9: layer_ms rows carry decode_before_ms and prefill_before_ms, a layer's host time before its experts call;
 # 8: dequant_host_us, a quantized fetch's host cost per dequantization pass, by expert dtype;
 # 7: dequant_ms is the engine's pass straight into cache slots, Triton kernels on a GPU (before: eager, then copied);
@@ -119,8 +111,8 @@ from duoserve.runtime.streams import Streams
 # each the median of rounds, a fetch's from the engine's fetch section;
 # 4: call_host_us rows carry routing_us, group_host_us from two group sizes; 3: dequant_ms is the engine's own pass
 # per expert (2: one expert dequantized eagerly)
-PROFILE_VERSION = 10
-READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9, 10)
+PROFILE_VERSION = 9
+READABLE_PROFILE_VERSIONS = (2, 3, 4, 5, 6, 7, 8, 9)
 PROFILE_FIELDS = ("device", "geometry", "copy", "copy_host_us", "module_copy_ms", "expert_ms", "call_host_us",
                   "fetch_host_us", "group_host_us", "predictor_ms", "dequant_ms", "layer_ms", "step_ms")
 MB = 1 << 20
@@ -263,8 +255,8 @@ def _section_ms(engine: OffloadEngine, name: str) -> float:
 
 
 class _Call(NamedTuple):
-    """One timed layer call: its phase and tokens, its host µs, the experts it fetched, the host µs of its
-    routing read and of its fetch section, and the compute groups it queued (grouped calls: a prefill's)."""
+    """One timed layer call: its phase and tokens, its host µs, the experts it fetched, and the host µs of its
+    routing read and of its fetch section."""
 
     phase: str
     tokens: int
@@ -272,28 +264,18 @@ class _Call(NamedTuple):
     fetched: int
     routing_us: float
     fetch_us: float
-    groups: int
 
 
 def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, device: torch.device,
-                 launches: list[float] | None = None, context: int | None = None, new_tokens: int = 8,
-                 generations: int = 1) -> list[_Call]:
-    """Each of ``engine``'s layer calls (``_Call``) in ``generations`` real generations of one set of ``batch``
-    prompts (``context`` tokens, default ``s.contexts[0]``; ``new_tokens`` new: 1 is a prefill alone) after a warm-up
-    one, run as the bench runs it (on a static KV cache where the engine replays its step graphs): the host's caches
-    as such a forward pass leaves them, the device waited for before each call, so what is timed is the call's own
-    host work, not a wait for its router. The prompts are drawn from a generator seeded by their shape, so two
-    engines given one shape route alike. ``launches``: where to add the host µs of each of its decode prefetch's
-    predictor launches."""
+                 launches: list[float] | None = None) -> list[_Call]:
+    """Each of ``engine``'s layer calls (``_Call``) in a real generation of ``batch`` prompts (``s.contexts[0]``
+    tokens, 8 new) after a warm-up one, run as the bench runs it (on a static KV cache where the engine replays its
+    step graphs): the host's caches as such a forward pass leaves them, the device waited for before each call, so
+    what is timed is the call's own host work, not a wait for its router. ``launches``: where to add the host µs of
+    each of its decode prefetch's predictor launches."""
     calls = []
     run = engine.run_layer
     launch = engine.prefetch.launch if launches is not None else None
-    grouped = engine.compute.add_group
-    groups = [0]
-
-    def counted_group(*args):
-        groups[0] += 1
-        return grouped(*args)
 
     def timed_launch(*args):
         start = time.perf_counter()
@@ -306,32 +288,27 @@ def _timed_calls(engine: OffloadEngine, model, s: ProfileSettings, batch: int, d
         sync(device)
         copies = sum(engine.cache.stats.copies.values())
         routed, fetching = _section_ms(engine, ROUTING_SECTION), _section_ms(engine, FETCH_SECTION)
-        queued = groups[0]
         start = time.perf_counter()
         out = run(l, hidden, idx, weights)
         calls.append(_Call(engine.phase, len(idx), (time.perf_counter() - start) * 1e6,
                            sum(engine.cache.stats.copies.values()) - copies,
                            (_section_ms(engine, ROUTING_SECTION) - routed) * 1e3,
-                           (_section_ms(engine, FETCH_SECTION) - fetching) * 1e3, groups[0] - queued))
+                           (_section_ms(engine, FETCH_SECTION) - fetching) * 1e3))
         return out
 
-    context = context or s.contexts[0]
     vocab = model.get_input_embeddings().num_embeddings
-    seeded = torch.Generator().manual_seed(batch * 100_003 + context)
-    ids = torch.randint(vocab, (batch, context), generator=seeded).to(device)
-    cache = cache_for(engine, model, context + max(new_tokens, 3))
+    ids = torch.randint(vocab, (batch, s.contexts[0]), device=device)
+    cache = cache_for(engine, model, s.contexts[0] + 8)
     with engine:
         # warm-up: CUDA graphs captured (a step graph at its second decode step)
         timed_generate(model, ids, torch.ones_like(ids), 3, fixed_length=True, cache=cache)
         engine.run_layer = timed  # this engine only: the plugin calls its instance's run_layer
-        engine.compute.add_group = counted_group
         if launch is not None:
             engine.prefetch.launch = timed_launch
         try:
-            for _ in range(generations):
-                timed_generate(model, ids, torch.ones_like(ids), new_tokens, fixed_length=True, cache=cache)
+            timed_generate(model, ids, torch.ones_like(ids), 8, fixed_length=True, cache=cache)
         finally:
-            del engine.run_layer, engine.compute.add_group
+            del engine.run_layer
             if launch is not None:
                 del engine.prefetch.launch
     return calls
@@ -396,39 +373,24 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
 
     every = np.resize(np.arange(E), (-(-E // k), k))  # ceil(E/k) x k: each expert once
 
-    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 1 << 20
-
-    def prefill_calls(e: OffloadEngine, T: int) -> list[_Call]:
-        """The layer calls of three generations of one token (a prefill pass each: a prompt of one token per
-        sequence takes the decode call's path, as in the engine) from prompts of about ``T`` tokens in all through
-        ``e`` (B x C, each prompt C <= the model's positions less a few)."""
-        B = -(-T // max(limit - 16, 1))
-        with torch.no_grad():
-            return _timed_calls(e, model, s, B, device, context=max(T // B, 1), new_tokens=1, generations=3)
-
     def one_round() -> dict:
         """Every cost above, measured once."""
-        hit_us, isolated_us = {}, {}
+        hit_us = {}
         with torch.no_grad():
             cached = engine(L * E)
             with cached:
                 for l in range(L):
                     call(cached, l, "prefill", every)  # every expert of every layer cached from here on
-                for T in s.tokens:  # each call alone, as profiles before version 10 timed them
+                for T in [*s.tokens, len(every)]:
                     times = [call(cached, 0, "prefill", random_ids(rng, T, 1, E, k)[:, 0]) for _ in range(calls + 2)]
-                    isolated_us["prefill", T] = median(times[2:])
+                    hit_us["prefill", T] = median(times[2:])
             decoded = {B: [c for c in _timed_calls(cached, model, s, B, device) if c.phase == "decode"]
                        for B in s.batch_sizes}
-        for T in s.tokens:  # inside real generations' prefills, as the bench runs them
-            timed = prefill_calls(cached, T)
-            hit_us["prefill", timed[0].tokens] = median([(c.us, c.routing_us) for c in timed])
         for B, timed in decoded.items():
             hit_us["decode", B] = median([(c.us, c.routing_us) for c in timed])
         entry_us = statistics.median(c.fetch_us for timed in decoded.values() for c in timed)  # nothing to fetch
-
-        def call_rows(us: dict) -> list[dict]:
-            return [{"phase": phase, "tokens": T, "us": t, "routing_us": routing}
-                    for (phase, T), (t, routing) in sorted(us.items())]
+        rows = [{"phase": phase, "tokens": T, "us": us, "routing_us": routing} for (phase, T), (us, routing)
+                in sorted(hit_us.items()) if (phase, T) != ("prefill", len(every)) or T in s.tokens]
 
         launch_us = {}  # the engine's decode-time predictor launch, by batch
         with torch.no_grad():
@@ -459,11 +421,11 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
             dequant_host[fmt] = statistics.median(us / n for us, n in passes) if passes else per_copy
 
         def group_us(ids: np.ndarray) -> float:
-            """One prefill call of ``ids`` (every expert routed, none cached) alone through caches of 4k and k slots:
-            the same E misses in groups of half of each cache (2k and k/2, or 1: fewer groups through the larger cache
-            for any k). A group costs the difference over the difference in groups, what each expert costs (its
-            fetch, its pair rows) cancelling; one call less a hit call and E decode-time fetches leaves that in (on an
-            H100 it read 1.0 ms a group where the bench's host sections showed 0.74)."""
+            """One prefill call of ``ids`` (every expert routed, none cached) through caches of 4k and k slots: the
+            same E misses in groups of half of each cache (2k and k/2, or 1: fewer groups through the larger cache for
+            any k). A group costs the difference over the difference in groups, what each expert costs (its fetch,
+            its pair rows) cancelling; one call less a hit call and E decode-time fetches leaves that in (on an H100
+            it read 1.0 ms a group where the bench's host sections showed 0.74)."""
             prefill = []
             for slots in (4 * k, k):
                 with torch.no_grad(), engine(slots) as e:
@@ -472,22 +434,12 @@ def _engine_host_us(model, s: ProfileSettings, device: torch.device, copy_us: fl
             (few_us, few), (many_us, many) = prefill
             return max((many_us - few_us) / (many - few), 0.0)
 
-        def group_in_generations(T: int, alone_us: float) -> dict:
-            """The same inside real generations' prefills of about ``T`` tokens: one prompt through caches of 4k and
-            k slots, each layer's call against the same layer's, the difference in host time over the difference in
-            groups, the median (``alone_us``, the call timed alone, where no layer's groups differed)."""
-            few, many = (prefill_calls(engine(slots), T) for slots in (4 * k, k))
-            per_group = [(b.us - a.us) / (b.groups - a.groups) for a, b in zip(few, many) if b.groups > a.groups]
-            return {"tokens": few[0].tokens, "us": max(statistics.median(per_group), 0.0) if per_group else alone_us}
-
         # by the call's tokens, each expert routed by T*k/E of them: a group's host cost grows with its pairs (an H100
         # read 0.59 ms a group at E/k tokens and 0.71 at 64, on-demand, benchmarks/group_host_probe.py)
-        lengths = [len(every), *(t for t in GROUP_TOKENS if t > len(every))]
-        alone = [{"tokens": T, "us": group_us(np.resize(every, (T, k)))} for T in lengths]
-        by_tokens = [group_in_generations(T, row["us"]) for T, row in zip(lengths, alone)]
-        rows = call_rows(hit_us)
+        by_tokens = [{"tokens": T, "us": group_us(np.resize(every, (T, k)))}
+                     for T in [len(every), *(t for t in GROUP_TOKENS if t > len(every))]]
         return {"call": rows, "fetch": fetch, "dequant_host": dequant_host, "group": by_tokens[0]["us"],
-                "group_by_tokens": by_tokens, "alone": {"call": call_rows(isolated_us), "group_by_tokens": alone},
+                "group_by_tokens": by_tokens,
                 "launch": launch_us,
                 "module": _module_fetch_ms(OffloadEngine(model, modules, POLICIES["per-module"],
                                                          settings=EngineSettings(step_graphs=s.step_graphs)),
@@ -608,8 +560,7 @@ def _with_engine_costs(profile: dict, engine_us: dict) -> dict:
     predictor_ms = [{**row, **({"launch_host_ms": launch[row["batch"]] / 1e3} if row["batch"] in launch else {})}
                     for row in profile["predictor_ms"]]
     optional = {field: engine_us[key] for field, key in (("group_host_by_tokens", "group_by_tokens"),
-                                                          ("dequant_host_us", "dequant_host"),
-                                                          ("prefill_alone_us", "alone")) if key in engine_us}
+                                                          ("dequant_host_us", "dequant_host")) if key in engine_us}
     return {**profile, "call_host_us": engine_us["call"], "fetch_host_us": engine_us["fetch"],
             "group_host_us": engine_us["group"], **optional, "module_copy_ms": engine_us["module"],
             "predictor_ms": predictor_ms}
@@ -622,18 +573,6 @@ def profile_round(profile: dict, i: int) -> dict:
     if not 0 <= i < len(rounds):
         raise ValueError(f"this profile kept {len(rounds)} rounds of the engine's costs; there is no round {i}")
     return _with_engine_costs(profile, rounds[i])
-
-
-def prefill_alone(profile: dict) -> dict:
-    """``profile`` with its prefill calls' and groups' host costs as each call timed alone reads them (version 10's
-    ``prefill_alone_us``; how profiles before it timed them), not inside real generations: the two, set beside one
-    bench (``benchmarks/simulate_validation.py --prefill-alone``)."""
-    alone = profile.get("prefill_alone_us")
-    if alone is None:
-        raise ValueError("this profile did not time its prefill calls alone (profiles from version 10 do)")
-    by_tokens = alone["group_by_tokens"]
-    return {**profile, "call_host_us": [r for r in profile["call_host_us"] if r["phase"] != "prefill"] + alone["call"],
-            "group_host_by_tokens": by_tokens, "group_host_us": by_tokens[0]["us"]}
 
 
 def _pass_ms(model, s: ProfileSettings, say: Callable[[str], None]) -> list[dict]:
