@@ -175,8 +175,8 @@ class StepGraphs:
         # capturing"), as pytorch/pytorch#161037 found for torch.cuda.graph
         collecting = gc.isenabled()
         gc.disable()
-        self._begin_piece()
         try:
+            self._begin_piece()
             out = forward(*args, **kwargs)
             self._end_piece()
         except Exception as exc:
