@@ -19,12 +19,12 @@ def parse_bytes(text: str) -> int:
 
 _SHARE = re.compile(r"([0-9]*\.?[0-9]+)%")  # a share of the model's L x E routed experts
 _TOPK = re.compile(r"([0-9]*)k")  # a multiple of top-k
-_NOT_EXPERTS = "cannot read {!r} as a number of experts; write a share (10%) or a multiple of top-k (2k)"
 
 
-def _experts_budget(spec: str) -> tuple[float, int] | None:
+def _experts_budget(spec: str, required: bool = False) -> tuple[float, int] | None:
     """A budget written as a number of experts, as (percent of the L x E experts, multiple of top-k), one of them 0;
-    None where ``spec`` is not written so. Refuses a share outside (0, 100]% and a multiple below one."""
+    None where ``spec`` is not written so (``required``: refused). Refuses a share outside (0, 100]% and a multiple
+    below one."""
     if share := _SHARE.fullmatch(spec):
         if not 0 < float(share.group(1)) <= 100:
             raise ValueError(f"a GPU expert budget of {spec} of the experts: give a share in (0, 100]%")
@@ -33,6 +33,9 @@ def _experts_budget(spec: str) -> tuple[float, int] | None:
         if int(times.group(1) or 1) < 1:
             raise ValueError(f"a GPU expert budget of {spec}: give at least one top-k (k, 2k, ...)")
         return 0.0, int(times.group(1) or 1)
+    if required:
+        raise ValueError(f"cannot read {spec!r} as a number of experts; write a share (10%) or a multiple of top-k "
+                         "(2k)")
     return None
 
 
@@ -53,9 +56,7 @@ def parse_budget(text: str) -> int | str:
 def budget_slots(spec: str, L: int, E: int, k: int) -> int:
     """Cache slots of a budget written as a share of the L x E experts ('10%', rounded down) or a multiple of top-k
     ('2k'; 'k' is one)."""
-    if (read := _experts_budget(spec)) is None:
-        raise ValueError(_NOT_EXPERTS.format(spec))
-    percent, times = read
+    percent, times = _experts_budget(spec, required=True)
     return math.floor(L * E * percent / 100) if percent else times * k
 
 
@@ -96,8 +97,7 @@ class EngineSettings:
 
     def __post_init__(self):
         if isinstance(self.gpu_expert_budget, str):
-            if _experts_budget(self.gpu_expert_budget) is None:
-                raise ValueError(_NOT_EXPERTS.format(self.gpu_expert_budget))
+            _experts_budget(self.gpu_expert_budget, required=True)  # refuses what parse_budget would
         elif self.gpu_expert_budget is not None and self.gpu_expert_budget <= 0:
             raise ValueError(f"the GPU expert budget must be positive, got {self.gpu_expert_budget} bytes")
         if self.lookahead < 1:
